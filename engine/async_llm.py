@@ -1,0 +1,165 @@
+"""An asyncio streaming wrapper: the engine steps in its own thread and each
+request's outputs arrive on an asyncio queue.
+
+    async for out in llm.generate(prompt, params, request_id="r1"):
+        ...  # cumulative RequestOutput; the last one has finished=True
+
+Validation happens in the caller, before anything is queued. Leaving the
+`async for` early (a client that went away) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engine.block_pool import KVEvents
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending: list[tuple] = []  # ("add", args, kwargs) | ("abort", request_id)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        # Only the engine thread touches the engine; others read these snapshots.
+        self._stats = engine.get_stats()
+        self._events = KVEvents()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str | Path, **options) -> AsyncLLM:
+        return cls(LLMEngine(model, EngineConfig.from_options(**options)))
+
+    # -- public API ----------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+        prompt_ids = self.engine.tokenize(prompt)
+        self.engine.validate(prompt_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._pending.append(
+                ("add", request_id, prompt, prompt_ids, params, priority, namespace)
+            )
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._queues.pop(request_id, None) is not None:
+                self._pending.append(("abort", request_id))
+        self._wake.set()
+
+    def get_stats(self) -> dict:
+        """The engine's statistics as of its last step."""
+        return self._stats
+
+    def drain_kv_events(self) -> KVEvents:
+        """Prefix-cache blocks stored and removed since the last call."""
+        with self._lock:
+            events, self._events = self._events, KVEvents()
+        return events
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            queues, self._queues = self._queues, {}
+        for loop, queue in queues.values():
+            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError("the engine has shut down"))
+
+    # -- engine thread -------------------------------------------------------
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for command in pending:
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt, prompt_ids, params, priority, namespace = command
+            try:
+                self.engine.add_request(
+                    request_id, prompt, params, priority=priority, namespace=namespace,
+                    prompt_token_ids=prompt_ids,
+                )
+            except Exception as exc:  # validated already; anything here is reported, not lost
+                self._deliver(request_id, exc, final=True)
+
+    def _deliver(self, request_id: str, item, final: bool) -> None:
+        with self._lock:
+            entry = self._queues.get(request_id)
+            if entry is not None and final:
+                del self._queues[request_id]
+        if entry is not None:
+            loop, queue = entry
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop closed; nobody is listening
+                pass
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed outside the model")
+                ids = list(self.engine.requests)
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                for request_id in ids:
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"), True)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+            self._publish()
+
+    def _publish(self) -> None:
+        self._stats = self.engine.get_stats()
+        events = self.engine.drain_kv_events()
+        if events.stored or events.removed:
+            with self._lock:
+                self._events.stored.extend(events.stored)
+                self._events.removed.extend(events.removed)

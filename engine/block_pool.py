@@ -1,0 +1,149 @@
+"""The pool of KV cache blocks: ref counts, the free queue and the prefix-hash map.
+
+Only this module changes those three. A block freed by every sequence stays
+in the hash map (its contents are still valid) and joins the back of the free
+queue; new allocations take from the front, so cached blocks are evicted
+least-recently-used. Block 0 is a null block that is never handed out: padded
+rows of a batch write their keys there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids, namespace: str = "") -> int:
+    """A stable 64-bit hash of (parent block hash, this block's tokens, namespace).
+
+    Stable across processes and machines, so workers, the scheduler and the KV
+    store agree on which prefix a block holds.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little"))
+    h.update(namespace.encode())
+    h.update(b"\x00")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_prompt_blocks(token_ids, block_size: int, namespace: str = "") -> list[int]:
+    """Hashes of every full block of a token sequence, chained from the first."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], namespace)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+@dataclass(slots=True)
+class KVEvents:
+    """Blocks that entered or left the prefix cache since the last drain."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        # block_id -> block, oldest first; holds exactly the blocks with ref_cnt == 0
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
+        self._cached: dict[int, KVBlock] = {}
+        self.events = KVEvents()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Takes `count` blocks from the front of the free queue, evicting their cached contents."""
+        if count > len(self._free):
+            raise ValueError(f"asked for {count} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Takes one more reference on each block (a prefix hit or a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drops one reference from each; blocks reaching zero join the back of the free queue
+        in the order given (callers pass a sequence's tail first, so it is evicted first)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Publishes a full block under its chained hash so later prompts can reuse it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # an equal block is already cached; this copy stays private
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self.events.stored.append(block_hash)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+            self.events.removed.append(block.block_hash)
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; only possible while no block is in use."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in list(self._cached.values()):
+            self._evict(block)
+        return True
+
+    def drain_events(self) -> KVEvents:
+        events, self.events = self.events, KVEvents()
+        return events

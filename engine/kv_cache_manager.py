@@ -1,0 +1,167 @@
+"""Per-sequence block tables over the block pool, with automatic prefix caching.
+
+The scheduler sees only this API: find a sequence's cached prefix, allocate
+slots for the tokens it will compute, fork a sequence from another, free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    usage: float
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    fragmentation: float
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if self.prefix_queried_tokens == 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_queried_tokens
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._committed: dict[str, int] = {}  # seq_id -> leading blocks already published
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- queries -------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.seq_id, ())]
+
+    def block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of the sequence's full blocks (computed lazily, extended as it grows)."""
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        tokens, size = seq.all_token_ids, self.block_size
+        while (len(hashes) + 1) * size <= len(tokens):
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[start : start + size], seq.namespace))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached blocks matching the sequence's start.
+
+        At least one token is always left to compute, so the model produces
+        logits for the last prompt position.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hit: list[KVBlock] = []
+        limit = (seq.num_tokens - 1) // self.block_size
+        for block_hash in self.block_hashes(seq)[:limit]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    # -- changes -------------------------------------------------------------
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None
+    ) -> bool:
+        """Makes room for `num_new_tokens` more tokens of `seq`.
+
+        `cached` is given when a sequence holding no blocks is admitted: the
+        prefix found by `find_cached_prefix` (possibly empty). On success the
+        sequence holds that prefix and enough blocks; on failure nothing changed.
+        """
+        table = self.tables.get(seq.seq_id, [])
+        if cached is not None and table:
+            raise RuntimeError("a cached prefix can only start an empty block table")
+        if cached:
+            num_computed = len(cached) * self.block_size
+        else:
+            num_computed = seq.num_computed_tokens
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached or ())
+        reclaimable = sum(1 for b in cached or () if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimable:
+            return False
+        if cached is not None:
+            self.pool.touch(cached)
+            table = list(cached)
+            seq.num_computed_tokens = num_computed
+            seq.num_cached_tokens = num_computed
+            if self.enable_prefix_caching:
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += num_computed
+        if need > 0:
+            table = table + self.pool.allocate(need)
+        self.tables[seq.seq_id] = table
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares the parent's full prompt blocks and recomputes the rest."""
+        shared_blocks = (child.num_tokens - 1) // self.block_size
+        shared = self.tables[parent.seq_id][:shared_blocks]
+        self.pool.touch(shared)
+        self.tables[child.seq_id] = list(shared)
+        child.num_computed_tokens = shared_blocks * self.block_size
+        child.num_cached_tokens = child.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        self._hashes.pop(seq.seq_id, None)
+        self._committed.pop(seq.seq_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def commit(self, seq: Sequence) -> None:
+        """Publishes the sequence's fully computed blocks to the prefix cache.
+
+        Called after the model ran, so a block is shared only once its keys and
+        values are really in it.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq.seq_id)
+        if not table:
+            return
+        hashes = self.block_hashes(seq)
+        done = self._committed.get(seq.seq_id, 0)
+        full = min(seq.num_computed_tokens // self.block_size, len(hashes), len(table))
+        for i in range(done, full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._committed[seq.seq_id] = max(done, full)
+
+    # -- reporting -----------------------------------------------------------
+    def stats(self, num_tokens_of: dict[str, int] | None = None) -> CacheStats:
+        """`num_tokens_of` maps seq_id to tokens it keeps in the cache, for fragmentation."""
+        fill: dict[int, int] = {}
+        for seq_id, table in self.tables.items():
+            held = (num_tokens_of or {}).get(seq_id, len(table) * self.block_size)
+            for i, block in enumerate(table):
+                used = min(self.block_size, max(0, held - i * self.block_size))
+                fill[block.block_id] = max(fill.get(block.block_id, 0), used)
+        allocated = len(fill) * self.block_size
+        unused = allocated - sum(fill.values())
+        used_blocks = self.pool.num_usable_blocks - self.pool.num_free_blocks
+        return CacheStats(
+            num_blocks=self.pool.num_usable_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_used_blocks=used_blocks,
+            usage=self.pool.usage(),
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            fragmentation=unused / allocated if allocated else 0.0,
+        )

@@ -1,0 +1,240 @@
+"""The step-level engine services build on: add a request, run one step,
+abort a request, read statistics and KV events.
+
+`add_request` validates everything before it changes any state, so a bad
+request is a ValueError for its caller only. A step that fails finishes the
+requests in it with an error and leaves the engine serving the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import KVEvents
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.output_processor import RequestState, make_output, process_token
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        if (
+            not self.config.enable_chunked_prefill
+            and self.config.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len})"
+            )
+        self.runner = ModelRunner(self.model_config, self.config, self.model_dir)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        eos = set(self.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+
+    # -- requests ------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send token ids, not text")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check a request must pass; raises ValueError, changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
+                f"within the model's context length of {self.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        total = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if self.kv.blocks_needed(total) > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"the request needs up to {total} tokens of KV cache; the engine holds "
+                f"{self.kv.pool.num_usable_blocks * self.config.block_size}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized."""
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority, namespace,
+                                   arrival) for i in range(params.n)]
+        for child in seqs[1:]:
+            child.fork_parent = seqs[0]
+        self.requests[request_id] = RequestState(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt_ids,
+            seqs=seqs,
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id, index, prompt_ids, params, priority, namespace, arrival):
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed + index)
+        seq = Sequence(
+            seq_id=request_id if index == 0 else f"{request_id}#{index}",
+            request_id=request_id,
+            index=index,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival,
+            namespace=namespace,
+            generator=generator,
+        )
+        if self.tokenizer is not None:
+            seq.decoder = self.tokenizer.stream(params.skip_special_tokens)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish(FinishReason.ABORT)
+        return make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns the current output of every request it touched."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for seq in batch.seqs:
+            state = self.requests[seq.request_id]
+            touched[seq.request_id] = state
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        tables = [self.kv.block_ids(s) for s in batch.seqs]
+        try:
+            sampled, result = self.runner.execute(batch.seqs, batch.num_new_tokens, tables)
+        except Exception as exc:  # the step is lost; its requests end with the cause
+            logger.exception("model step failed")
+            for seq in batch.seqs:
+                self._fail(seq, f"model step failed: {exc}")
+            return [self._emit(s) for s in touched.values()]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        for i, seq in enumerate(sampled):
+            if seq.index == 0:
+                self._fork_children(touched[seq.request_id])
+            process_token(
+                seq, result.token_ids[i], result.token_logprobs[i], result.logprobs[i],
+                self.max_model_len,
+            )
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+        return [self._emit(s) for s in touched.values()]
+
+    def _fork_children(self, state: RequestState) -> None:
+        parent = state.seqs[0]
+        for child in state.seqs[1:]:
+            if child.fork_parent is parent and child.status == SequenceStatus.WAITING:
+                self.scheduler.waiting.remove(child)
+                self.kv.fork(parent, child)
+                child.fork_parent = None
+                child.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(child)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.scheduler.remove(seq)
+        seq.finish(FinishReason.ERROR, error=error)
+        state = self.requests[seq.request_id]
+        for sibling in state.seqs:  # siblings waiting to fork from it compute alone
+            if sibling.fork_parent is seq:
+                sibling.fork_parent = None
+
+    def _emit(self, state: RequestState) -> RequestOutput:
+        out = make_output(state)
+        if out.finished:
+            self.requests.pop(state.request_id, None)
+        return out
+
+    # -- reporting -----------------------------------------------------------
+    def get_stats(self) -> dict:
+        held = {
+            s.seq_id: s.num_computed_tokens for s in self.scheduler.running
+        }
+        cache = self.kv.stats(held)
+        return {
+            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len(
+                {s.request_id for s in self.scheduler.waiting} - {
+                    s.request_id for s in self.scheduler.running}
+            ),
+            "kv_cache_usage": cache.usage,
+            "kv_blocks_total": cache.num_blocks,
+            "kv_blocks_free": cache.num_free_blocks,
+            "kv_blocks_used": cache.num_used_blocks,
+            "prefix_cache_queried_tokens": cache.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": cache.prefix_hit_tokens,
+            "prefix_cache_hit_rate": cache.prefix_hit_rate,
+            "kv_fragmentation": cache.fragmentation,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_tokens_processed": self.runner.num_tokens_processed,
+        }
+
+    def drain_kv_events(self) -> KVEvents:
+        return self.kv.pool.drain_events()

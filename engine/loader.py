@@ -1,0 +1,132 @@
+"""Builds a CausalLM on its device and fills its weights.
+
+`safetensors`: from the folder's `model.safetensors` or its sharded index,
+checking every tensor's name and shape; anything missing, unexpected or of the
+wrong shape is a ValueError naming it. `dummy`: seeded random weights made
+directly on the device (vLLM's benchmarking mode), so a large model needs no
+file. The random distribution is the one `make-model` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model_config import ModelConfig
+from engine.models import CausalLM
+from engine.models.hf_names import hf_weight_targets
+from engine.models.rotary import cos_sin_table
+
+# Present in some checkpoints, never needed: rotary tables are recomputed.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{model_dir}: shard(s) named in the index are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{model_dir} holds no weights (*.safetensors); use load_format='dummy' for "
+            "random weights"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype) -> torch.Tensor:
+    """The seeded random init both `make-model` and dummy loading use.
+
+    Scaled so activations stay near unit size through every layer and the
+    logits spread over a few units: tiny random models then give decisive
+    argmaxes, which greedy comparisons against other implementations need.
+    """
+    t = torch.empty(shape, device=device, dtype=torch.float32)
+    if hf_name.endswith("norm.weight"):
+        t.normal_(1.0, 0.1, generator=generator)
+    elif hf_name.endswith(".bias"):
+        t.normal_(0.0, 0.1, generator=generator)
+    elif hf_name.endswith("embed_tokens.weight"):
+        t.normal_(0.0, 0.25, generator=generator)
+    else:
+        fan_in = shape[-1]
+        std = (2.0 if hf_name == "lm_head.weight" else 1.0) / math.sqrt(fan_in)
+        t.normal_(0.0, std, generator=generator)
+    return t.to(dtype)
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty gives each name its own storage
+        model.lm_head = model.embed_tokens
+    # Rotary tables stay float32 whatever the weights' dtype.
+    model.cos_sin = cos_sin_table(config, device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(
+    model_dir: str | Path | None,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> CausalLM:
+    model = build_model(config, device, dtype)
+    targets = hf_weight_targets(config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if load_format == "dummy":
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        for hf_name, target in targets.items():
+            view = target.view(params[target.param])
+            view.copy_(random_tensor(hf_name, view.shape, generator, device, dtype))
+        return model
+    if model_dir is None:
+        raise ValueError("a model folder is required unless load_format='dummy'")
+    files = safetensors_files(Path(model_dir))
+    seen: set[str] = set()
+    for name, tensor in iter_safetensors(files):
+        target = targets.get(name)
+        if target is None:
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                name == "lm_head.weight" and config.tie_word_embeddings
+            ):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
+        view = target.view(params[target.param])
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
+            )
+        view.copy_(tensor.to(device=device, dtype=dtype))
+        seen.add(name)
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint lacks tensor(s) {missing[:5]}{more}")
+    return model

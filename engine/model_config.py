@@ -1,0 +1,184 @@
+"""The model's shape, read from a Hugging Face `config.json`.
+
+Accepts both the 4.x spelling (`rope_theta` + `rope_scaling`, `num_experts`)
+and the 5.x one (`rope_parameters`, `num_local_experts`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q, k, v projections
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"
+    # Mixture of experts; num_experts == 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def num_parameters(self) -> int:
+        """Parameter count, used for memory planning and roofline figures."""
+        h, layers = self.hidden_size, self.num_hidden_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        body = sum(attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(layers))
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return body + embed
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or '(none given)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in cfg:
+                raise ValueError(f"config.json lacks required field {key!r}")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; only silu is supported")
+        rope_theta, rope_scaling = _rope(cfg)
+        layers = int(cfg["num_hidden_layers"])
+        num_experts, moe_layers = _moe_layout(arch, cfg, layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 0)),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            hidden_act="silu",
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
+            moe_intermediate_size=_expert_width(arch, cfg) if num_experts else 0,
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            torch_dtype=dtype if dtype in _DTYPES else "float32",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} is not a model folder: {path.name} not found")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        config = cls.from_dict(cfg)
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            if eos is not None:
+                config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        return config
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    if scaling is None:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ValueError(f"rope_scaling of type llama3 lacks {key!r}")
+    return theta, dict(scaling, rope_type="llama3")
+
+
+def _moe_layout(arch: str, cfg: dict, layers: int) -> tuple[int, tuple[int, ...]]:
+    if arch == "MixtralForCausalLM":
+        return int(cfg.get("num_local_experts", 8)), tuple(range(layers))
+    if arch == "Qwen3MoeForCausalLM":
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe = tuple(
+            i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0
+        )
+        return experts, moe
+    return 0, ()
+
+
+def _expert_width(arch: str, cfg: dict) -> int:
+    if arch == "MixtralForCausalLM":
+        return int(cfg["intermediate_size"])
+    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])

@@ -1,0 +1,166 @@
+"""Runs the model for one scheduled batch: builds the flat inputs and the
+attention metadata from the block tables, runs the forward pass, and samples
+for the sequences that reached the end of their known tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, get_backend
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.loader import load_model
+from engine.sampler import Sampler, SampleResult
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat row whose logits each sampled sequence needs
+    sample_seqs: list[Sequence]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
+    return _DTYPES[model_config.torch_dtype if name == "auto" else name]
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, model_dir: str | Path | None
+    ):
+        self.model_config = model_config
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.block_size
+        self.model = load_model(
+            model_dir, model_config, self.device, self.dtype, config.load_format, config.seed
+        )
+        backend = config.attention_backend
+        self.backend = get_backend("torch" if backend == "auto" else backend)
+        self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler(self.device, config.seed)
+        self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
+
+    # -- KV cache ------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes across all layers (keys and values)."""
+        c = self.model_config
+        per_layer = 2 * self.block_size * c.num_key_value_heads * c.head_dim
+        return per_layer * c.num_hidden_layers * torch.finfo(self.dtype).bits // 8
+
+    def _blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return max(2, self.config.cpu_kv_cache_bytes // self.kv_block_bytes())
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        c = self.model_config
+        # Activations of the largest step: a generous per-token estimate, plus logits.
+        width = max(c.intermediate_size, c.moe_intermediate_size * max(1, c.num_experts_per_tok))
+        per_token = (8 * c.hidden_size + 4 * width + 2 * (c.q_size + 2 * c.kv_size)) * 4
+        reserve = self.config.max_num_batched_tokens * per_token
+        reserve += self.config.max_num_seqs * c.vocab_size * 4 * 4 + (1 << 30)
+        budget = total * self.config.gpu_memory_utilization - used - reserve
+        blocks = int(budget // self.kv_block_bytes())
+        if blocks < 2:
+            raise ValueError(
+                "not enough device memory for the KV cache; lower max_num_batched_tokens or "
+                "raise gpu_memory_utilization"
+            )
+        return blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        c = self.model_config
+        shape = (c.num_hidden_layers, num_blocks, 2, self.block_size, c.num_key_value_heads,
+                 c.head_dim)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    cache.numel() * cache.element_size() / 2**20)
+        return list(cache.unbind(0))
+
+    # -- one step ------------------------------------------------------------
+    def prepare(
+        self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
+    ) -> StepInputs:
+        bs = self.block_size
+        total = sum(num_new)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        start = 0
+        for i, (seq, n, table) in enumerate(zip(seqs, num_new, block_tables)):
+            c = seq.num_computed_tokens
+            input_ids[start : start + n] = seq.all_token_ids[c : c + n]
+            positions[start : start + n] = np.arange(c, c + n)
+            tables[i, : len(table)] = table
+            seq_lens.append(c + n)
+            start += n
+            query_start[i + 1] = start
+            if c + n == seq.num_tokens:
+                sample_rows.append(start - 1)
+                sample_seqs.append(seq)
+        row_of = np.repeat(np.arange(len(seqs)), num_new)
+        slot_mapping = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(query_start).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            query_lens_cpu=list(num_new),
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            meta=meta,
+            sample_rows=sample_rows,
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states of every row of the step."""
+        self.num_tokens_processed += int(inputs.input_ids.shape[0])
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
+    ) -> tuple[list[Sequence], SampleResult | None]:
+        inputs = self.prepare(seqs, num_new, block_tables)
+        hidden = self.forward(inputs)
+        if not inputs.sample_seqs:
+            return [], None
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

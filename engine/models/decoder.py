@@ -1,0 +1,160 @@
+"""One decoder-only transformer covering Llama, Qwen2, Qwen3, Mixtral and
+Qwen3-MoE: the differences are switches read from the ModelConfig (q/k/v bias,
+per-head q/k norm, routed experts in some layers).
+
+Tokens of the whole step are laid out flat ([T, hidden]); the attention
+backend and its metadata know which rows belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.rotary import cos_sin_table
+from kernels import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x, residual):
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Parameter(torch.empty(out, config.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.empty(out)) if config.attention_bias else None
+        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, self.q_size))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, positions, cos_sin, cache, meta, backend: AttentionBackend):
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        o = backend.forward(q, k, v, cache, meta, self.scale)
+        return F.linear(o.reshape(-1, self.q_size), self.o_proj)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(hidden, width))
+
+    def forward(self, x):
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts; each expert's gate and up rows are stacked in w13."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, h, w = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = nn.Parameter(torch.empty(e, h))
+        self.w13 = nn.Parameter(torch.empty(e, 2 * w, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, w))
+        # Tokens routed to each expert since the counter was last read; the
+        # expert-balancing services read it.
+        self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        weights, ids = ops.moe_route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.gate.shape[0])
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(index):
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, residual, positions, cos_sin, cache, meta, backend):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, cos_sin, cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Returns the final hidden states, [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, backend)
+        x, _ = self.norm.add_forward(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Per MoE layer, tokens routed to each expert since the last call; resets."""
+        loads = [layer.mlp.expert_load for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        if not loads:
+            return None
+        out = torch.stack(loads).cpu()
+        for load in loads:
+            load.zero_()
+        return out

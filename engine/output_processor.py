@@ -1,0 +1,121 @@
+"""After sampling: append each token, detokenize it, decide whether the
+sequence stops, and assemble the per-request outputs.
+
+Stop order follows vLLM: a stop token id, then EOS (unless ignored), then a
+stop string in the new text (the text is cut before it), then max_tokens and
+the context length. Stop strings are not looked for before min_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import FinishReason, Logprob, Sequence
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+    kv_transfer_params: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.seqs[0].num_cached_tokens
+
+
+def process_token(
+    seq: Sequence,
+    token_id: int,
+    token_logprob: float,
+    top_logprobs: dict[int, Logprob] | None,
+    max_model_len: int,
+) -> None:
+    """Appends one sampled token and finishes the sequence if it should stop."""
+    params = seq.params
+    seq.append_token(token_id)
+    seq.cumulative_logprob += token_logprob
+    if top_logprobs is not None:
+        seq.logprobs.append(top_logprobs)
+    new_text = seq.decoder.step(token_id) if seq.decoder is not None else ""
+    before = len(seq.text)
+    seq.text += new_text
+    if token_id in params.stop_token_ids:
+        seq.finish(FinishReason.STOP, stop_reason=token_id)
+        return
+    if not params.ignore_eos and token_id in seq.eos_token_ids:
+        seq.finish(FinishReason.STOP)
+        return
+    if params.stop and new_text and seq.num_output_tokens >= params.min_tokens:
+        hit = _find_stop(seq.text, before, params.stop)
+        if hit is not None:
+            index, stop = hit
+            cut = index + len(stop) if params.include_stop_str_in_output else index
+            seq.text = seq.text[:cut]
+            seq.finish(FinishReason.STOP, stop_reason=stop)
+            return
+    if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        seq.finish(FinishReason.LENGTH)
+    elif seq.num_tokens >= max_model_len:
+        seq.finish(FinishReason.LENGTH)
+
+
+def _find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the newly added text."""
+    best = None
+    for stop in stops:
+        index = text.find(stop, max(0, new_from - len(stop) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+def visible_text(seq: Sequence) -> str:
+    """Text safe to stream: while unfinished, hold back what could begin a stop string."""
+    if seq.is_finished or not seq.params.stop:
+        return seq.text
+    hold = max(len(s) for s in seq.params.stop) - 1
+    return seq.text[: len(seq.text) - hold] if hold else seq.text
+
+
+def make_output(state: RequestState) -> RequestOutput:
+    finished = state.finished
+    if finished and state.metrics.finished_time is None:
+        state.metrics.finished_time = time.monotonic()
+    firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
+    if firsts:
+        state.metrics.first_token_time = min(firsts)
+    outputs = [
+        CompletionOutput(
+            index=s.index,
+            text=visible_text(s),
+            token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            finish_reason=s.finish_reason.value if s.finish_reason else None,
+            stop_reason=s.stop_reason,
+        )
+        for s in state.seqs
+    ]
+    errors = [s.error for s in state.seqs if s.error]
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        outputs=outputs,
+        finished=finished,
+        num_cached_tokens=state.num_cached_tokens,
+        error=state.error or (errors[0] if errors else None),
+        metrics=state.metrics,
+        kv_transfer_params=state.kv_transfer_params,
+    )

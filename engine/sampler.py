@@ -1,0 +1,127 @@
+"""Turns a step's logits into next tokens.
+
+Rows are independent: penalties, temperature, top-k/top-p/min-p and the
+random draw are applied per row, and a seeded row draws its noise from its
+own generator, so its tokens do not depend on what else is in the batch.
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
+draws exactly from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Logprob, Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    token_logprobs: list[float]  # logprob of each chosen token under the raw model
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """logits: [N, V] float32, row i belonging to seqs[i]."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.needs_penalties:
+                _apply_penalties(logits[row], seq)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
+                if banned:
+                    logits[row, list(banned)] = _NEG_INF
+        chosen = self._choose(logits, seqs)
+        chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+        token_ids = chosen.tolist()
+        token_logprobs = chosen_lp.tolist()
+        logprobs = [None] * len(seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if wanted:
+            top_n = max(seqs[i].params.logprobs for i in wanted)
+            rows = raw_logprobs[wanted]
+            ranks = (rows > chosen_lp[wanted, None]).sum(-1) + 1
+            top_vals, top_ids = rows.topk(max(top_n, 1), dim=-1)
+            ranks, top_vals, top_ids = ranks.tolist(), top_vals.tolist(), top_ids.tolist()
+            for j, i in enumerate(wanted):
+                n = seqs[i].params.logprobs
+                entry = {
+                    tid: Logprob(val, r + 1)
+                    for r, (tid, val) in enumerate(zip(top_ids[j][:n], top_vals[j][:n]))
+                }
+                entry.setdefault(token_ids[i], Logprob(token_logprobs[i], ranks[j]))
+                logprobs[i] = entry
+        return SampleResult(token_ids, logprobs, token_logprobs)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        chosen = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return chosen
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
+        for j, i in enumerate(rows):
+            if seqs[i].generator is not None:
+                noise[j].exponential_(generator=seqs[i].generator)
+        chosen[rows] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (ks.clamp(max=vocab) - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, _NEG_INF)
+    probs = torch.softmax(logits, dim=-1)
+    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+    if bool((top_ps < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        drop_sorted = before >= top_ps[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+    if bool((min_ps > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    """vLLM's semantics: repetition over prompt and output, presence/frequency over output."""
+    p = seq.params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.all_token_ids)), device=row.device)
+        seen = seen[seen < vocab]
+        vals = row[seen]
+        row[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    if seq.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -1,0 +1,108 @@
+"""Pure-torch references for the engine's layer operators.
+
+They define what each operator computes (in the same precision steps as the
+Hugging Face models, so float32 outputs match them closely) and are what the
+engine runs on CPU. The Triton kernels are tested against these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up on the fused [.., 2 * width] gate/up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (the Hugging Face Llama convention).
+
+    q: [T, Hq, D], k: [T, Hk, D], positions: [T], cos_sin: [max_pos, D] holding
+    cos in the first D/2 columns and sin in the last D/2.
+    """
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions)
+    cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores new keys and values at their slots.
+
+    cache: [num_blocks, 2, block_size, kv_heads, head_dim]; slot = block * block_size + offset.
+    """
+    block_size = cache.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    cache[blocks, 0, offsets] = k.to(cache.dtype)
+    cache[blocks, 1, offsets] = v.to(cache.dtype)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in float32, top-k, optional renormalisation. Returns (weights, expert ids)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)).
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I].
+    Tokens are grouped by expert so each expert runs one matmul.
+    """
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k
+    out = torch.zeros(tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        h = silu_and_mul(x[token_of[start : start + count]] @ w13[expert].t())
+        out[rows] = h @ w2[expert].t()
+        start += count
+    weighted = out.view(tokens, top_k, -1) * topk_weights.to(x.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1)

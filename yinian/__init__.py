@@ -1,0 +1,1 @@
+"""The `yinian` command."""

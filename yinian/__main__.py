@@ -1,0 +1,3 @@
+from yinian.cli import main
+
+raise SystemExit(main())
