@@ -1,8 +1,8 @@
 """yinian's inference core: models, paged KV cache, continuous batching, sampling.
 
-    from engine import LLM, SamplingParams
-    llm = LLM(model="path/to/hf-folder")
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+from engine import LLM, SamplingParams
+llm = LLM(model="path/to/hf-folder")
+outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
 from engine.async_llm import AsyncLLM

@@ -110,6 +110,8 @@ class AsyncLLM:
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+        if not pending:
+            return
         for command in pending:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
@@ -117,11 +119,16 @@ class AsyncLLM:
             _, request_id, prompt, prompt_ids, params, priority, namespace = command
             try:
                 self.engine.add_request(
-                    request_id, prompt, params, priority=priority, namespace=namespace,
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority,
+                    namespace=namespace,
                     prompt_token_ids=prompt_ids,
                 )
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
+        self._publish()
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         with self._lock:

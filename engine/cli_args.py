@@ -21,11 +21,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         hint = hints[field.name]
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         if base is bool:
-            group.add_argument(_flag(field.name), dest=f"engine_{field.name}",
-                               action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(
+                _flag(field.name),
+                dest=f"engine_{field.name}",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+            )
         else:
-            group.add_argument(_flag(field.name), dest=f"engine_{field.name}", type=base,
-                               default=None, help=f"default: {field.default}")
+            group.add_argument(
+                _flag(field.name),
+                dest=f"engine_{field.name}",
+                type=base,
+                default=None,
+                help=f"default: {field.default}",
+            )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

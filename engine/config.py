@@ -35,7 +35,9 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"

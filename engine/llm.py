@@ -19,8 +19,9 @@ class LLM:
     """LLM(model=DIR, dtype="auto", device="auto", **engine_options)."""
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "auto", **options):
-        self.engine = LLMEngine(model, EngineConfig.from_options(dtype=dtype, device=device,
-                                                                 **options))
+        self.engine = LLMEngine(
+            model, EngineConfig.from_options(dtype=dtype, device=device, **options)
+        )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

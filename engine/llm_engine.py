@@ -58,9 +58,15 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send token ids, not text")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+            )
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -105,8 +111,10 @@ class LLMEngine:
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(prompt_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority, namespace,
-                                   arrival) for i in range(params.n)]
+        seqs = [
+            self._new_sequence(request_id, i, prompt_ids, params, priority, namespace, arrival)
+            for i in range(params.n)
+        ]
         for child in seqs[1:]:
             child.fork_parent = seqs[0]
         self.requests[request_id] = RequestState(
@@ -181,7 +189,10 @@ class LLMEngine:
             if seq.index == 0:
                 self._fork_children(touched[seq.request_id])
             process_token(
-                seq, result.token_ids[i], result.token_logprobs[i], result.logprobs[i],
+                seq,
+                result.token_ids[i],
+                result.token_logprobs[i],
+                result.logprobs[i],
                 self.max_model_len,
             )
             if seq.is_finished:
@@ -214,15 +225,13 @@ class LLMEngine:
 
     # -- reporting -----------------------------------------------------------
     def get_stats(self) -> dict:
-        held = {
-            s.seq_id: s.num_computed_tokens for s in self.scheduler.running
-        }
+        held = {s.seq_id: s.num_computed_tokens for s in self.scheduler.running}
         cache = self.kv.stats(held)
         return {
             "num_requests_running": len({s.request_id for s in self.scheduler.running}),
             "num_requests_waiting": len(
-                {s.request_id for s in self.scheduler.waiting} - {
-                    s.request_id for s in self.scheduler.running}
+                {s.request_id for s in self.scheduler.waiting}
+                - {s.request_id for s in self.scheduler.running}
             ),
             "kv_cache_usage": cache.usage,
             "kv_blocks_total": cache.num_blocks,

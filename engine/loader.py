@@ -96,6 +96,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> CausalLM:
+    if load_format != "dummy":
+        if model_dir is None:
+            raise ValueError("a model folder is required unless load_format='dummy'")
+        files = safetensors_files(Path(model_dir))  # fail before allocating the model
     model = build_model(config, device, dtype)
     targets = hf_weight_targets(config)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -106,9 +110,6 @@ def load_model(
             view = target.view(params[target.param])
             view.copy_(random_tensor(hf_name, view.shape, generator, device, dtype))
         return model
-    if model_dir is None:
-        raise ValueError("a model folder is required unless load_format='dummy'")
-    files = safetensors_files(Path(model_dir))
     seen: set[str] = set()
     for name, tensor in iter_safetensors(files):
         target = targets.get(name)

@@ -158,7 +158,8 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         return theta, None
     if kind != "llama3":
         raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    required = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    for key in required:
         if key not in scaling:
             raise ValueError(f"rope_scaling of type llama3 lacks {key!r}")
     return theta, dict(scaling, rope_type="llama3")

@@ -13,8 +13,8 @@ import torch
 
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
-from engine.model_config import ModelConfig
 from engine.loader import load_model
+from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SampleResult
 from engine.sequence import Sequence
 
@@ -93,11 +93,21 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
-        shape = (c.num_hidden_layers, num_blocks, 2, self.block_size, c.num_key_value_heads,
-                 c.head_dim)
+        shape = (
+            c.num_hidden_layers,
+            num_blocks,
+            2,
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    cache.numel() * cache.element_size() / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            cache.numel() * cache.element_size() / 2**20,
+        )
         return list(cache.unbind(0))
 
     # -- one step ------------------------------------------------------------

@@ -118,9 +118,7 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         seen = torch.tensor(sorted(set(seq.all_token_ids)), device=row.device)
         seen = seen[seen < vocab]
         vals = row[seen]
-        row[seen] = torch.where(
-            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-        )
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if seq.output_token_ids and (p.presence_penalty or p.frequency_penalty):
         out = torch.tensor(seq.output_token_ids, device=row.device)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)

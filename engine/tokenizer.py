@@ -35,9 +35,7 @@ class Tokenizer:
         self.bos_token = _special(config.get("bos_token"))
         self.eos_token = _special(config.get("eos_token"))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
-        }
+        self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._template = None
 
     @classmethod

@@ -1,7 +1,7 @@
 """`yinian`: the commands people type.
 
-    yinian make-model --preset tiny-llama --out models/tiny-llama
-    yinian generate --prompt "Hello"
+yinian make-model --preset tiny-llama --out models/tiny-llama
+yinian generate --prompt "Hello"
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ def _make_model(args) -> int:
     from engine.make_model import PRESETS, TINY_PRESETS, preset_config, write_model
 
     weights = args.weights if args.weights is not None else args.preset in TINY_PRESETS
-    out = write_model(args.out, preset_config(args.preset), seed=args.seed, weights=weights,
-                      dtype=args.dtype)
+    out = write_model(
+        args.out, preset_config(args.preset), seed=args.seed, weights=weights, dtype=args.dtype
+    )
     kind = "with weights" if weights else "config and tokenizer only (load_format=dummy)"
     print(f"wrote {args.preset} to {out} ({kind}); presets: {', '.join(PRESETS)}")
     return 0
@@ -33,27 +34,40 @@ def _generate(args) -> int:
     llm = LLM(model, **engine_options(args))
     prompts = args.prompt or ["The quick brown fox", "In a distant galaxy"]
     if args.chat:
-        prompts = [llm.engine.tokenizer.encode_chat([{"role": "user", "content": p}])
-                   for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sampling_seed, n=args.n)
+        prompts = [
+            llm.engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts
+        ]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        n=args.n,
+    )
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(args.prompt or prompts, outputs):
         for completion in out.outputs:
-            record = {"prompt": prompt if isinstance(prompt, str) else None,
-                      "index": completion.index, "text": completion.text,
-                      "token_ids": completion.token_ids,
-                      "finish_reason": completion.finish_reason}
+            record = {
+                "prompt": prompt if isinstance(prompt, str) else None,
+                "index": completion.index,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+            }
             print(json.dumps(record, ensure_ascii=False))
     stats = llm.get_stats()
-    print(f"# model {model}: {stats['num_tokens_processed']} tokens processed, "
-          f"prefix cache hit rate {stats['prefix_cache_hit_rate']:.2f}", file=sys.stderr)
+    print(
+        f"# model {model}: {stats['num_tokens_processed']} tokens processed, "
+        f"prefix cache hit rate {stats['prefix_cache_hit_rate']:.2f}",
+        file=sys.stderr,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="yinian", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="yinian", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -62,8 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="write weights (default: only for the tiny presets)")
+    p.add_argument(
+        "--weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write weights (default: only for the tiny presets)",
+    )
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("generate", help="generate offline with the engine")
@@ -82,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except ValueError as exc:

@@ -50,9 +50,7 @@ def hf_weight_targets(config: ModelConfig) -> dict[str, Target]:
         out[f"{hf}.self_attn.o_proj.weight"] = Target(f"{ours}.self_attn.o_proj", ())
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
-                out[f"{hf}.self_attn.{name}.weight"] = Target(
-                    f"{ours}.self_attn.{name}.weight", ()
-                )
+                out[f"{hf}.self_attn.{name}.weight"] = Target(f"{ours}.self_attn.{name}.weight", ())
         if config.is_moe_layer(i):
             out.update(_expert_targets(config, hf, ours))
         else:

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random models written once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_oracle import ARCH_CONFIGS  # noqa: E402
+
+from engine.make_model import TINY_PRESETS, preset_config, write_model  # noqa: E402
+
+ALL_MODELS = (*TINY_PRESETS, *ARCH_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_root):
+    """model_dir(name) -> folder of that tiny model, written on first use."""
+
+    def get(name: str) -> Path:
+        folder = model_root / name
+        if not (folder / "config.json").is_file():
+            config = preset_config(name) if name in TINY_PRESETS else ARCH_CONFIGS[name]
+            write_model(folder, config, seed=1)
+        return folder
+
+    return get
