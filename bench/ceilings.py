@@ -28,7 +28,6 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SampleResult
@@ -59,21 +60,18 @@ class ModelRunner:
         )
         backend = config.attention_backend
         self.backend = get_backend("torch" if backend == "auto" else backend)
+        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
+                    self.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**20)
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
 
     # -- KV cache ------------------------------------------------------------
-    def kv_block_bytes(self) -> int:
-        """Bytes one block takes across all layers (keys and values)."""
-        c = self.model_config
-        per_layer = 2 * self.block_size * c.num_key_value_heads * c.head_dim
-        return per_layer * c.num_hidden_layers * torch.finfo(self.dtype).bits // 8
-
     def _blocks_that_fit(self) -> int:
         if self.device.type != "cuda":
-            return max(2, self.config.cpu_kv_cache_bytes // self.kv_block_bytes())
+            return max(2, self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         c = self.model_config
@@ -83,32 +81,13 @@ class ModelRunner:
         reserve = self.config.max_num_batched_tokens * per_token
         reserve += self.config.max_num_seqs * c.vocab_size * 4 * 4 + (1 << 30)
         budget = total * self.config.gpu_memory_utilization - used - reserve
-        blocks = int(budget // self.kv_block_bytes())
+        blocks = int(budget // self.kv_spec.bytes_per_block)
         if blocks < 2:
             raise ValueError(
                 "not enough device memory for the KV cache; lower max_num_batched_tokens or "
                 "raise gpu_memory_utilization"
             )
         return blocks
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        c = self.model_config
-        shape = (
-            c.num_hidden_layers,
-            num_blocks,
-            2,
-            self.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
-            self.block_size,
-            cache.numel() * cache.element_size() / 2**20,
-        )
-        return list(cache.unbind(0))
 
     # -- one step ------------------------------------------------------------
     def prepare(
