@@ -38,6 +38,10 @@ def apply_rotary(q, k, positions, cos_sin):
     return _pick("apply_rotary", q)(q, k, positions, cos_sin)
 
 
+def rotary_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping):
+    return _pick("rotary_cache_write", q)(q, k, v, positions, cos_sin, cache, slot_mapping)
+
+
 def moe_route(router_logits, top_k, renormalize):
     return _pick("moe_route", router_logits)(router_logits, top_k, renormalize)
 

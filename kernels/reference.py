@@ -53,6 +53,21 @@ def apply_rotary(
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rotary_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k, stores k and v at their cache slots; returns the rotated (q, k)."""
+    q, k = apply_rotary(q, k, positions, cos_sin)
+    write_kv_cache(k, v, cache, slot_mapping)
+    return q, k
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+import torch
+
+# Triton kernels run on the CPU through Triton's interpreter, which must be
+# chosen before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -1,7 +1,8 @@
 """The attention backend interface and its torch reference implementation.
 
-A backend stores the step's new keys and values into the paged cache and
-returns attention outputs for every query row. Models call only this.
+By the time a layer calls `attend`, the step's new keys and values are in
+the paged cache (written by the fused rotary + cache-write operator); the
+backend returns the attention output of every query row.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from typing import Protocol
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from kernels import attention_reference, reference
+from kernels import attention_reference
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(
+    def attend(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hk, D]
-        v: torch.Tensor,  # [T, Hk, D]
+        q: torch.Tensor,  # [T, Hq, D], rotated
+        k: torch.Tensor,  # [T, Hk, D], the step's new keys, rotated (also in the cache)
+        v: torch.Tensor,  # [T, Hk, D], the step's new values (also in the cache)
         cache: torch.Tensor,  # [num_blocks, 2, block_size, Hk, D]
         meta: AttentionMetadata,
         scale: float,
@@ -31,8 +32,7 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q, k, v, cache, meta, scale):
-        reference.write_kv_cache(k, v, cache, meta.slot_mapping)
+    def attend(self, q, k, v, cache, meta, scale):
         return attention_reference.paged_attention(
             q, cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, scale
         )

@@ -57,8 +57,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
-        o = backend.forward(q, k, v, cache, meta, self.scale)
+        q, k = ops.rotary_cache_write(q, k, v, positions, cos_sin, cache, meta.slot_mapping)
+        o = backend.attend(q, k, v, cache, meta, self.scale)
         return F.linear(o.reshape(-1, self.q_size), self.o_proj)
 
 

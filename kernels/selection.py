@@ -1,0 +1,201 @@
+"""Dynamic kernel selection.
+
+Each operator offers variants (different kernels) and, for each, launch
+configs (block sizes, warps, stages, splits). For every shape bucket on every
+device the fastest (variant, config) is found by timing the candidates on the
+first real call, then remembered in an on-disk cache keyed by device name and
+Triton version, so later processes start with the choice already made. The
+choice made is logged at DEBUG level on the `yinian.kernels` logger.
+
+Tuning never happens during CUDA graph capture (the engine warms every
+captured shape up first) nor on CPU, where the first candidate is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("yinian.kernels")
+
+
+def triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:  # pragma: no cover - triton ships with CUDA torch
+        return "none"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "yinian" / "kernels"
+    return Path(os.environ.get("YINIAN_KERNEL_CACHE", default))
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    variant: str
+    config: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.config)
+
+    def to_json(self) -> dict:
+        return {"variant": self.variant, "config": dict(self.config)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Candidate:
+        return cls(data["variant"], tuple(sorted(data.get("config", {}).items())))
+
+
+class _DiskCache:
+    """One JSON file per (device, Triton version): {op: {bucket: candidate}}."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, device: str):
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
+        self.path = cache_dir() / f"{safe}__triton-{triton_version()}.json"
+        self.data: dict[str, dict[str, dict]] = {}
+        if self.path.is_file():
+            try:
+                self.data = json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError):
+                logger.warning("ignoring unreadable kernel cache %s", self.path)
+
+    def get(self, op: str, bucket: str) -> Candidate | None:
+        entry = self.data.get(op, {}).get(bucket)
+        return Candidate.from_json(entry) if entry else None
+
+    def put(self, op: str, bucket: str, candidate: Candidate, ms: float) -> None:
+        with self._lock:
+            self.data.setdefault(op, {})[bucket] = dict(candidate.to_json(), ms=ms)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+                tmp.replace(self.path)
+            except OSError as exc:  # a read-only home still runs, just re-tunes next time
+                logger.warning("cannot write kernel cache %s: %s", self.path, exc)
+
+
+_CACHES: dict[str, _DiskCache] = {}
+
+
+def _disk_cache(device: str) -> _DiskCache:
+    if device not in _CACHES:
+        _CACHES[device] = _DiskCache(device)
+    return _CACHES[device]
+
+
+def cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 7) -> float:
+    """Median milliseconds of `fn` with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+class Selector:
+    """Chooses and calls one operator's best (variant, config) for each shape bucket.
+
+    variants: name -> callable(*args, **config); configs: name -> list of config dicts
+    (an empty list means the variant takes no config); bucket: (*args) -> hashable
+    description of the shape class the choice is valid for.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        variants: dict[str, Callable],
+        configs: dict[str, list[dict]],
+        bucket: Callable[..., tuple],
+        timer: Callable[[Callable[[], object]], float] = cuda_timer,
+        tune_on_cpu: bool = False,
+    ):
+        self.op = op
+        self.variants = variants
+        self.bucket = bucket
+        self.timer = timer
+        self.tune_on_cpu = tune_on_cpu
+        self.candidates = [
+            Candidate(name, tuple(sorted(cfg.items())))
+            for name in variants
+            for cfg in (configs.get(name) or [{}])
+        ]
+        self._memo: dict[tuple[str, str], Candidate] = {}
+
+    def __call__(self, *args):
+        candidate = self.choose(*args)
+        return self.variants[candidate.variant](*args, **candidate.kwargs)
+
+    def choose(self, *args) -> Candidate:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        dev = device_name(device)
+        bucket = repr(self.bucket(*args))
+        key = (dev, bucket)
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        cache = _disk_cache(dev)
+        found = cache.get(self.op, bucket)
+        how = "cached"
+        if found is None or found not in self.candidates:
+            tunable = device.type == "cuda" or self.tune_on_cpu
+            if not tunable or _capturing(device):
+                found, how = self.candidates[0], "default"
+            else:
+                found, ms = self._tune(args)
+                cache.put(self.op, bucket, found, ms)
+                how = f"tuned, {ms:.4f} ms"
+        self._memo[key] = found
+        logger.debug("kernel %s on %s bucket %s -> %s %s (%s)", self.op, dev, bucket,
+                     found.variant, found.kwargs, how)
+        return found
+
+    def _tune(self, args) -> tuple[Candidate, float]:
+        best, best_ms = None, float("inf")
+        for candidate in self.candidates:
+            fn = self.variants[candidate.variant]
+            kwargs = candidate.kwargs
+            try:
+                ms = self.timer(lambda fn=fn, kwargs=kwargs: fn(*args, **kwargs))
+            except Exception as exc:  # a config the device cannot run (resources) is skipped
+                logger.debug("kernel %s candidate %s failed: %s", self.op, candidate, exc)
+                continue
+            if ms < best_ms:
+                best, best_ms = candidate, ms
+        if best is None:
+            raise RuntimeError(f"no candidate of kernel {self.op} ran for these inputs")
+        return best, best_ms
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
