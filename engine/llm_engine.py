@@ -24,6 +24,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.text_stream import TextStream
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,7 @@ class LLMEngine:
             namespace=namespace,
             generator=generator,
         )
-        if self.tokenizer is not None:
-            seq.decoder = self.tokenizer.stream(params.skip_special_tokens)
+        seq.text_stream = TextStream(self.tokenizer, params)
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

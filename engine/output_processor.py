@@ -2,8 +2,8 @@
 sequence stops, and assemble the per-request outputs.
 
 Stop order follows vLLM: a stop token id, then EOS (unless ignored), then a
-stop string in the new text (the text is cut before it), then max_tokens and
-the context length. Stop strings are not looked for before min_tokens.
+stop string in the new text (see TextStream), then max_tokens and the
+context length.
 """
 
 from __future__ import annotations
@@ -47,45 +47,20 @@ def process_token(
     seq.cumulative_logprob += token_logprob
     if top_logprobs is not None:
         seq.logprobs.append(top_logprobs)
-    new_text = seq.decoder.step(token_id) if seq.decoder is not None else ""
-    before = len(seq.text)
-    seq.text += new_text
+    stop_string = seq.text_stream.append(token_id, seq.num_output_tokens)
     if token_id in params.stop_token_ids:
         seq.finish(FinishReason.STOP, stop_reason=token_id)
         return
     if not params.ignore_eos and token_id in seq.eos_token_ids:
         seq.finish(FinishReason.STOP)
         return
-    if params.stop and new_text and seq.num_output_tokens >= params.min_tokens:
-        hit = _find_stop(seq.text, before, params.stop)
-        if hit is not None:
-            index, stop = hit
-            cut = index + len(stop) if params.include_stop_str_in_output else index
-            seq.text = seq.text[:cut]
-            seq.finish(FinishReason.STOP, stop_reason=stop)
-            return
+    if stop_string is not None:
+        seq.finish(FinishReason.STOP, stop_reason=stop_string)
+        return
     if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
         seq.finish(FinishReason.LENGTH)
     elif seq.num_tokens >= max_model_len:
         seq.finish(FinishReason.LENGTH)
-
-
-def _find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string that ends inside the newly added text."""
-    best = None
-    for stop in stops:
-        index = text.find(stop, max(0, new_from - len(stop) + 1))
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
-    return best
-
-
-def visible_text(seq: Sequence) -> str:
-    """Text safe to stream: while unfinished, hold back what could begin a stop string."""
-    if seq.is_finished or not seq.params.stop:
-        return seq.text
-    hold = max(len(s) for s in seq.params.stop) - 1
-    return seq.text[: len(seq.text) - hold] if hold else seq.text
 
 
 def make_output(state: RequestState) -> RequestOutput:
@@ -98,7 +73,7 @@ def make_output(state: RequestState) -> RequestOutput:
     outputs = [
         CompletionOutput(
             index=s.index,
-            text=visible_text(s),
+            text=s.text_stream.visible(s.is_finished),
             token_ids=list(s.output_token_ids),
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.text_stream import TextStream
 
 
 class SequenceStatus(enum.Enum):
@@ -59,8 +60,11 @@ class Sequence:
     fork_parent: Sequence | None = None  # set while waiting to fork from the first sequence
     num_preemptions: int = 0
     first_token_time: float | None = None
-    text: str = ""  # detokenized output, cut at a stop string
-    decoder: object | None = None  # IncrementalDecoder, when the model has a tokenizer
+    text_stream: TextStream | None = None  # set by the engine
+
+    @property
+    def text(self) -> str:
+        return self.text_stream.text if self.text_stream is not None else ""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from engine.cli_args import add_engine_args, engine_options
+from yinian.up import add_up_parser
 
 
 def _make_model(args) -> int:
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=1)
     add_engine_args(p)
     p.set_defaults(func=_generate)
+
+    add_up_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The services of the yinian mesh, one package per inference stage."""

@@ -1,0 +1,77 @@
+"""The NATS event plane: load reports and KV events, as protobuf messages
+with the trace context in the headers. Nothing on this plane is needed to
+finish a request already placed, so publishing never blocks or fails a request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats
+from google.protobuf.message import Message
+
+from services.common.telemetry import nats_headers
+
+logger = logging.getLogger(__name__)
+
+SUBJECT_PREFIX = "yinian"
+
+
+def load_subject(worker_id: str = "*") -> str:
+    return f"{SUBJECT_PREFIX}.load.{worker_id}"
+
+
+def kv_subject(worker_id: str = "*") -> str:
+    return f"{SUBJECT_PREFIX}.kv.{worker_id}"
+
+
+class EventBus:
+    def __init__(self, url: str, name: str):
+        self.url = url
+        self.name = name
+        self.nc: nats.NATS | None = None
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        self.nc = await nats.connect(
+            self.url, name=self.name, connect_timeout=timeout, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5, error_cb=self._on_error,
+        )
+
+    async def _on_error(self, exc: Exception) -> None:
+        logger.debug("nats: %s", exc)
+
+    async def publish(self, subject: str, message: Message) -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        try:
+            await self.nc.publish(subject, message.SerializeToString(), headers=nats_headers())
+        except Exception as exc:  # the event plane is best effort
+            logger.debug("publish to %s failed: %s", subject, exc)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[Message],
+        handler: Callable[[Message, dict], Awaitable[None] | None],
+    ) -> None:
+        async def on_message(msg) -> None:
+            parsed = message_type()
+            try:
+                parsed.ParseFromString(msg.data)
+            except Exception:
+                logger.warning("dropping malformed message on %s", msg.subject)
+                return
+            result = handler(parsed, msg.headers or {})
+            if asyncio.iscoroutine(result):
+                await result
+
+        await self.nc.subscribe(subject, cb=on_message)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                pass
+            self.nc = None

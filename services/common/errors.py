@@ -1,0 +1,94 @@
+"""The failures a caller can act on, and how each maps to a gRPC status and an
+HTTP status (one table each; the gateway and the gRPC interceptor read them)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class MeshError(Exception):
+    """Base of the mesh's own errors."""
+
+
+class InvalidRequest(MeshError, ValueError):
+    """The request is malformed or out of range; retrying it will not help."""
+
+
+class Unauthenticated(MeshError):
+    """A missing or unknown API key."""
+
+
+class NotFound(MeshError):
+    """An unknown model, request or worker."""
+
+
+class Saturated(MeshError):
+    """Every worker is busy; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class WorkerUnavailable(MeshError):
+    """The worker serving the request went away or stopped answering."""
+
+
+class DeadlineExceeded(MeshError):
+    """A hop took longer than its deadline."""
+
+
+GRPC_STATUS: dict[type[BaseException], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Saturated: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+# (HTTP status, OpenAI error type)
+HTTP_STATUS: dict[type[BaseException], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    ValueError: (400, "invalid_request_error"),
+    Unauthenticated: (401, "authentication_error"),
+    NotFound: (404, "not_found_error"),
+    Saturated: (429, "rate_limit_error"),
+    WorkerUnavailable: (503, "service_unavailable"),
+    DeadlineExceeded: (504, "timeout"),
+}
+
+# gRPC status a downstream service returned -> our error type
+FROM_GRPC: dict[grpc.StatusCode, type[MeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Saturated,
+    grpc.StatusCode.UNAVAILABLE: WorkerUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: WorkerUnavailable,
+}
+
+
+def _lookup(table: dict, exc: BaseException):
+    for cls in type(exc).__mro__:
+        if cls in table:
+            return table[cls]
+    return None
+
+
+def grpc_status_of(exc: BaseException) -> grpc.StatusCode:
+    return _lookup(GRPC_STATUS, exc) or grpc.StatusCode.INTERNAL
+
+
+def http_status_of(exc: BaseException) -> tuple[int, str]:
+    return _lookup(HTTP_STATUS, exc) or (500, "internal_error")
+
+
+def from_grpc_error(exc: grpc.RpcError) -> MeshError:
+    """Turns a downstream gRPC failure into the matching mesh error."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = FROM_GRPC.get(code, WorkerUnavailable)
+    return cls(details or code.name)

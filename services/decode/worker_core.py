@@ -1,0 +1,155 @@
+"""A worker's core, free of gRPC: runs requests on the engine and turns its
+cumulative outputs into per-output token deltas, reports load, and numbers
+KV events. The decode worker owns a request from placement to its last token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine import AsyncLLM, SamplingParams
+from engine.outputs import RequestOutput
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, int, list[tuple[int, float, int]]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Monotonic times of one request's stages, for trace spans."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class KvEventBatch:
+    event_id: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
+
+
+class WorkerCore:
+    def __init__(self, engine: AsyncLLM, worker_id: str):
+        self.engine = engine
+        self.worker_id = worker_id
+        self._event_id = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.engine.config.block_size
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+        timing: RequestTiming | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Streams each output's new tokens. With `resume_token_ids` (a migrated
+        request) the engine continues after them and they are not sent again."""
+        resume = list(resume_token_ids or [])
+        if resume:
+            if params.n != 1:
+                raise ValueError("only single-output requests can be resumed")
+            if params.max_tokens is not None:
+                if len(resume) >= params.max_tokens:
+                    raise ValueError("nothing left to generate after the resumed tokens")
+                params = params.clone(max_tokens=params.max_tokens - len(resume),
+                                      min_tokens=max(0, params.min_tokens - len(resume)))
+        sent = [0] * params.n
+        async for out in self.engine.generate(prompt_ids + resume, params, request_id,
+                                              priority=priority, namespace=tenant):
+            if timing is not None:
+                _record(timing, out)
+            for completion in out.outputs:
+                i = completion.index
+                new = completion.token_ids[sent[i]:]
+                if not new and completion.finish_reason is None:
+                    continue
+                logprobs = None
+                if completion.logprobs is not None:
+                    logprobs = [
+                        _position(completion.logprobs[j], completion.token_ids[j],
+                                  params.logprobs or 0)
+                        for j in range(sent[i], len(completion.token_ids))
+                    ]
+                sent[i] = len(completion.token_ids)
+                yield TokenDelta(
+                    index=i,
+                    token_ids=new,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason="" if completion.stop_reason is None
+                    else str(completion.stop_reason),
+                    prompt_tokens=len(prompt_ids),
+                    cached_tokens=out.num_cached_tokens,
+                    error=out.error or "",
+                )
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def load(self) -> dict:
+        stats = self.engine.get_stats()
+        return {
+            "worker_id": self.worker_id,
+            "num_requests_running": stats["num_requests_running"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+            "kv_cache_usage": stats["kv_cache_usage"],
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "kv_blocks_total": stats["kv_blocks_total"],
+            "kv_blocks_free": stats["kv_blocks_free"],
+            "num_preemptions": stats["num_preemptions"],
+            "timestamp": time.time(),
+        }
+
+    def kv_events(self) -> KvEventBatch | None:
+        """The next numbered batch of KV events; the first one says `reset`."""
+        events = self.engine.drain_kv_events()
+        first = self._event_id == 0
+        if not (events.stored or events.removed or first):
+            return None
+        self._event_id += 1
+        return KvEventBatch(self._event_id, events.stored, events.removed, reset=first)
+
+
+def _position(entry: dict, chosen: int, top_n: int):
+    """(chosen id, its logprob, its rank, [(id, logprob, rank) of the top-N by rank])."""
+    lp = entry[chosen]
+    top = sorted(((tid, v.logprob, v.rank) for tid, v in entry.items() if v.rank <= top_n),
+                 key=lambda t: t[2])
+    return (chosen, lp.logprob, lp.rank, top)
+
+
+def _record(timing: RequestTiming, out: RequestOutput) -> None:
+    m = out.metrics
+    if m is None:
+        return
+    timing.first_scheduled = m.first_scheduled_time
+    timing.first_token = m.first_token_time
+    timing.finished = m.finished_time
+    timing.output_tokens = sum(len(c.token_ids) for c in out.outputs)
+    timing.cached_tokens = out.num_cached_tokens
+    timing.prompt_tokens = len(out.prompt_token_ids)

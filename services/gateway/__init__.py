@@ -1,0 +1,2 @@
+"""The gateway: OpenAI-compatible REST and gRPC front door, auth, tokenization,
+placement through the scheduler, and streaming detokenization."""

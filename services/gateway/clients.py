@@ -1,0 +1,83 @@
+"""gRPC clients the gateway uses: the scheduler and a pool of worker channels.
+Trace context rides in the call metadata."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.errors import DeadlineExceeded, from_grpc_error
+from services.common.telemetry import grpc_metadata
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.enable_retries", 0)]
+
+
+class SchedulerClient:
+    def __init__(self, address: str, timeout: float = 5.0):
+        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.timeout = timeout
+
+    async def place(self, request_id: str, prompt_tokens: int, block_hashes: list[int],
+                    tenant: str, exclude: list[str]) -> scheduler_pb2.Placement:
+        try:
+            return await self.stub.Place(
+                scheduler_pb2.PlaceRequest(request_id=request_id, prompt_tokens=prompt_tokens,
+                                           block_hashes=block_hashes, tenant=tenant,
+                                           exclude_workers=exclude),
+                timeout=self.timeout, metadata=grpc_metadata())
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc) from exc
+
+    async def ready_workers(self) -> int:
+        try:
+            resp = await self.stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return -1
+        return sum(1 for w in resp.workers if w.ready and w.info.role in ("colocated", "decode"))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class WorkerPool:
+    """One channel per worker address, opened on first use."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            self._channels[address] = channel
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def generate(self, address: str, request: worker_pb2.GenerateRequest,
+                       timeout: float, idle_timeout: float):
+        """Streams the worker's chunks. A broken or silent worker becomes a
+        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call,
+        which aborts the request on the worker."""
+        call = self.stub(address).Generate(request, timeout=timeout, metadata=grpc_metadata())
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(call.read(), timeout=idle_timeout)
+                except asyncio.TimeoutError as exc:
+                    raise DeadlineExceeded(
+                        f"worker {address} sent nothing for {idle_timeout:.0f} s") from exc
+                except grpc.RpcError as exc:
+                    raise from_grpc_error(exc) from exc
+                if chunk is grpc.aio.EOF:
+                    return
+                yield chunk
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

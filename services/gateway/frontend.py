@@ -1,0 +1,191 @@
+"""The gateway's core: one request from token ids to streamed text.
+
+It asks the scheduler where to run, streams token ids from that worker,
+detokenizes each output incrementally and applies stop strings (the worker
+sees none: it stops on tokens, the gateway on text, and cancels the worker
+when every output has stopped). A worker that fails before its first token
+is replaced by another placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from engine.block_pool import hash_prompt_blocks
+from engine.sampling_params import SamplingParams
+from engine.text_stream import TextStream
+from proto.yinian.v1 import worker_pb2
+from services.common import metrics
+from services.common.convert import finish_from_proto, params_to_proto
+from services.common.errors import DeadlineExceeded, WorkerUnavailable
+from services.common.telemetry import tracer
+
+logger = logging.getLogger(__name__)
+_tracer = tracer("yinian.gateway")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready to run."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str = ""
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    index: int
+    text: str  # new visible text
+    token_ids: list[int]
+    logprobs: list[TokenInfo] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RunStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    worker_id: str = ""
+    first_token_time: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class _Choice:
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.stream = TextStream(tokenizer, params)
+        self.num_tokens = 0
+        self.shown = 0
+        self.finished = False
+
+
+class Frontend:
+    def __init__(self, tokenizer, scheduler, workers, block_size: int = 16,
+                 request_timeout: float = 600.0, idle_timeout: float = 120.0,
+                 max_placement_attempts: int = 3):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.workers = workers
+        self.block_size = block_size
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.max_placement_attempts = max_placement_attempts
+
+    async def run(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
+        """Streams choice events until every output finished; fills `stats`."""
+        params = prep.params
+        stats.prompt_tokens = len(prep.prompt_ids)
+        choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
+        worker_params = params.clone(stop=[], include_stop_str_in_output=False)
+        request = worker_pb2.GenerateRequest(
+            request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
+            params=params_to_proto(worker_params), tenant=prep.tenant, priority=prep.priority)
+        hashes = hash_prompt_blocks(prep.prompt_ids, self.block_size, prep.tenant)
+        excluded: list[str] = []
+        started = False
+        while True:
+            with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
+                placement = await self.scheduler.place(
+                    prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded)
+                span.set_attribute("yinian.worker_id", placement.worker_id)
+                span.set_attribute("yinian.matched_blocks", placement.matched_blocks)
+            stats.worker_id = placement.worker_id
+            try:
+                async for event in self._stream(placement, request, choices, stats):
+                    started = True
+                    yield event
+                return
+            except (WorkerUnavailable, DeadlineExceeded) as exc:
+                excluded.append(placement.worker_id)
+                if started or len(excluded) >= self.max_placement_attempts:
+                    raise WorkerUnavailable(
+                        f"worker {placement.worker_id} failed: {exc}") from exc
+                logger.warning("worker %s failed before answering (%s); placing again",
+                               placement.worker_id, exc)
+
+    async def _stream(self, placement, request, choices: list[_Choice], stats: RunStats):
+        span = _tracer.start_span("worker.stream", kind=trace.SpanKind.CLIENT,
+                                  attributes={"yinian.worker_id": placement.worker_id})
+        detok_span = None
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                chunks = self.workers.generate(placement.address, request,
+                                               self.request_timeout, self.idle_timeout)
+                async for chunk in chunks:
+                    if chunk.error:
+                        raise WorkerUnavailable(chunk.error)
+                    if detok_span is None and chunk.token_ids:
+                        stats.first_token_time = time.monotonic()
+                        detok_span = _tracer.start_span(
+                            "detokenize", context=trace.set_span_in_context(span))
+                    stats.cached_tokens = max(stats.cached_tokens, chunk.cached_tokens)
+                    event = self._apply(chunk, choices[chunk.index], stats)
+                    if event is not None:
+                        yield event
+                    if all(c.finished for c in choices):
+                        return  # leaving the stream cancels the worker's request
+        finally:
+            if detok_span is not None:
+                detok_span.set_attribute("gen_ai.usage.output_tokens", stats.completion_tokens)
+                detok_span.end()
+            span.end()
+
+    def _apply(self, chunk, choice: _Choice, stats: RunStats) -> ChoiceEvent | None:
+        if choice.finished:
+            return None
+        params = choice.stream.params
+        new_ids: list[int] = []
+        stop_string = None
+        for token in chunk.token_ids:
+            choice.num_tokens += 1
+            new_ids.append(token)
+            stop_string = choice.stream.append(token, choice.num_tokens)
+            if stop_string is not None:
+                break
+        stats.completion_tokens += len(new_ids)
+        metrics.GENERATION_TOKENS.inc(len(new_ids))
+        finish = finish_from_proto(chunk.finish_reason)
+        stop_reason: str | int | None = chunk.stop_reason or None
+        if stop_string is not None:
+            finish, stop_reason = "stop", stop_string
+        if isinstance(stop_reason, str) and stop_reason.isdigit() and stop_string is None:
+            stop_reason = int(stop_reason)
+        choice.finished = finish is not None
+        visible = choice.stream.visible(choice.finished)
+        text, choice.shown = visible[choice.shown:], len(visible)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [self._token_info(p) for p in chunk.logprobs[: len(new_ids)]]
+        if finish is not None:
+            stats.finish_reasons.append(finish)
+        if not text and not new_ids and finish is None:
+            return None
+        return ChoiceEvent(chunk.index, text, new_ids, logprobs, finish, stop_reason)
+
+    def _token_info(self, position) -> TokenInfo:
+        return TokenInfo(
+            token=self._token_text(position.chosen.token_id),
+            logprob=position.chosen.logprob,
+            top=[(self._token_text(t.token_id), t.logprob) for t in position.top],
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,113 @@
+"""What REST and gRPC share: the served model, prompt tokenization, request
+preparation with its checks, running a request with latency metrics, and
+collecting a whole (non-streamed) result."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from services.common import metrics
+from services.common.errors import InvalidRequest, NotFound
+from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
+from services.gateway.protocol import check_context
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenInfo] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class GatewayCore:
+    def __init__(self, model_name: str, model_dir: str, frontend: Frontend,
+                 max_model_len: int | None = None):
+        self.model_name = model_name
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.frontend = frontend
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise NotFound(f"The model `{name}` does not exist.")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: send token ids")
+            return self.tokenizer.encode(prompt)
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequest(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages must not be empty")
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template")
+        try:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def prepare(self, prompt_ids: list[int], make_params, max_tokens: int | None, tenant: str,
+                priority: int = 0, prefix: str = "cmpl") -> Prepared:
+        """`make_params(max_tokens)` builds the SamplingParams once max_tokens is known."""
+        max_tokens = check_context(len(prompt_ids), max_tokens, self.max_model_len)
+        params: SamplingParams = make_params(max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this model has none")
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, tenant, priority)
+
+    async def events(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
+        """Runs the request, recording TTFT, ITL, E2E and token counters."""
+        start = time.monotonic()
+        last = None
+        metrics.GATEWAY_IN_FLIGHT.inc()
+        metrics.PROMPT_TOKENS.inc(len(prep.prompt_ids))
+        try:
+            async for event in self.frontend.run(prep, stats):
+                now = time.monotonic()
+                if event.token_ids:
+                    if last is None:
+                        metrics.TTFT.observe(now - start)
+                    else:
+                        metrics.ITL.observe(now - last)
+                    last = now
+                yield event
+            metrics.E2E.observe(time.monotonic() - start)
+            for reason in stats.finish_reasons:
+                metrics.REQUESTS.labels(finish_reason=reason).inc()
+        except BaseException:
+            metrics.REQUESTS.labels(finish_reason="error").inc()
+            raise
+        finally:
+            metrics.GATEWAY_IN_FLIGHT.dec()
+
+    async def collect(self, prep: Prepared, stats: RunStats) -> list[ChoiceResult]:
+        results = [ChoiceResult(i, logprobs=[] if prep.params.logprobs is not None else None)
+                   for i in range(prep.params.n)]
+        async for event in self.events(prep, stats):
+            r = results[event.index]
+            r.text += event.text
+            r.token_ids += event.token_ids
+            if event.logprobs is not None:
+                r.logprobs += event.logprobs
+            if event.finish_reason is not None:
+                r.finish_reason, r.stop_reason = event.finish_reason, event.stop_reason
+        return results

@@ -1,0 +1,83 @@
+"""Serves the gateway: the FastAPI app on uvicorn and the gRPC API, both ready
+only when the scheduler has a ready worker behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvicorn
+
+from proto.yinian.v1 import inference_pb2_grpc
+from services.common.grpc_server import GrpcServer
+from services.common.telemetry import setup_tracing, shutdown_tracing
+from services.gateway.auth import Authenticator, check_listen_address, load_keys
+from services.gateway.clients import SchedulerClient, WorkerPool
+from services.gateway.config import GatewayConfig
+from services.gateway.frontend import Frontend
+from services.gateway.gateway_core import GatewayCore
+from services.gateway.grpc_api import InferenceServicer
+from services.gateway.openai_api import create_app
+
+logger = logging.getLogger(__name__)
+
+
+class HealthProbe:
+    """Ready when the scheduler answers and has a ready worker; cached briefly."""
+
+    def __init__(self, scheduler: SchedulerClient, ttl: float = 0.5):
+        self.scheduler = scheduler
+        self.ttl = ttl
+        self._at = 0.0
+        self._ready = False
+
+    async def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._at > self.ttl:
+            self._ready = await self.scheduler.ready_workers() > 0
+            self._at = now
+        return self._ready
+
+
+async def run_gateway(config: GatewayConfig) -> None:
+    setup_tracing("yinian-gateway")
+    auth = Authenticator(load_keys(config.api_keys))
+    check_listen_address(config.host, auth, config.allow_unauthenticated)
+    scheduler = SchedulerClient(config.scheduler)
+    workers = WorkerPool()
+    core = GatewayCore(config.served_model_name, config.model, None, config.max_model_len)
+    core.frontend = Frontend(core.tokenizer, scheduler, workers, config.block_size,
+                             config.request_timeout, config.idle_timeout)
+    health = HealthProbe(scheduler)
+    app = create_app(core, auth, health)
+    grpc_server = GrpcServer(config.host, config.grpc_port)
+    grpc_server.add(inference_pb2_grpc.add_InferenceServicer_to_server,
+                    InferenceServicer(core, auth), ["yinian.v1.Inference"])
+    await grpc_server.start()
+    await grpc_server.serving(True)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                               loop="none", lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(uv_config)
+    server.install_signal_handlers = lambda: None  # we handle signals below
+    serve_task = asyncio.create_task(server.serve())
+    while not server.started:
+        if serve_task.done():
+            serve_task.result()
+        await asyncio.sleep(0.02)
+    print(f"READY gateway http://{config.host}:{config.port} grpc {config.host}:"
+          f"{grpc_server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.wait({serve_task, asyncio.create_task(stop.wait())},
+                       return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    await grpc_server.serving(False)
+    await grpc_server.stop(grace=1.0)
+    await asyncio.wait({serve_task}, timeout=5)
+    await workers.close()
+    await scheduler.close()
+    shutdown_tracing()

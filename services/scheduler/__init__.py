@@ -1,0 +1,1 @@
+"""The PD scheduler: worker registry, KV-aware and load-aware placement."""

@@ -1,0 +1,74 @@
+"""Which workers exist, which are ready, and how loaded each is.
+
+Workers register over gRPC and then heartbeat with their NATS load reports;
+one whose reports stop for `heartbeat_timeout` is dropped from placement.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    address: str
+    role: str
+    block_size: int
+    max_num_seqs: int
+    kv_blocks_total: int = 0
+    host: str = ""
+    transports: list[str] = field(default_factory=list)
+    metrics_address: str = ""
+    model: str = ""
+    registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    pending: int = 0  # placed since the last load report, not yet in its counts
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting + self.pending
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout: float = 2.0, clock=time.monotonic):
+        self.heartbeat_timeout = heartbeat_timeout
+        self.clock = clock
+        self.workers: dict[str, WorkerState] = {}
+
+    def register(self, state: WorkerState) -> bool:
+        """Adds or replaces a worker; True when it replaced one (a restart)."""
+        state.registered_at = state.last_seen = self.clock()
+        replaced = state.worker_id in self.workers
+        self.workers[state.worker_id] = state
+        return replaced
+
+    def deregister(self, worker_id: str) -> WorkerState | None:
+        return self.workers.pop(worker_id, None)
+
+    def on_load(self, worker_id: str, running: int, waiting: int, kv_usage: float) -> bool:
+        state = self.workers.get(worker_id)
+        if state is None:
+            return False  # not registered (yet, or any more): ignore
+        state.last_seen = self.clock()
+        state.running, state.waiting, state.kv_usage = running, waiting, kv_usage
+        state.pending = 0
+        return True
+
+    def is_ready(self, state: WorkerState) -> bool:
+        return self.clock() - state.last_seen <= self.heartbeat_timeout
+
+    def ready(self, role: str | None = None) -> list[WorkerState]:
+        return [w for w in self.workers.values()
+                if self.is_ready(w) and (role is None or w.role == role)]
+
+    def expire(self) -> list[WorkerState]:
+        """Drops workers that missed their heartbeats; returns them."""
+        gone = [w for w in self.workers.values() if not self.is_ready(w)]
+        for state in gone:
+            del self.workers[state.worker_id]
+        return gone

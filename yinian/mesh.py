@@ -1,0 +1,171 @@
+"""The whole mesh on one machine: NATS, the scheduler, workers and the
+gateway as child processes, started in order and each waited for until it
+says it is ready. Used by `yinian up` and by the tests.
+
+Children die with the launcher (Linux parent-death signal), so even a killed
+launcher leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.processes import free_port, start_nats, stop_process
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str = ""
+    log_path: Path | None = None
+
+
+@dataclass
+class MeshSpec:
+    model: str
+    workers: int = 1
+    prefill: int = 0
+    decode: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None
+    nats_url: str | None = None
+    engine_argv: list[str] = field(default_factory=list)
+    gateway_argv: list[str] = field(default_factory=list)
+    scheduler_argv: list[str] = field(default_factory=list)
+    worker_argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+
+class Mesh:
+    def __init__(self, spec: MeshSpec):
+        self.spec = spec
+        self.children: list[Child] = []
+        self.nats_proc: subprocess.Popen | None = None
+        self.nats_url = spec.nats_url
+        self.scheduler_address = ""
+        self.grpc_port = spec.grpc_port or free_port()
+        self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
+            f"yinian-{os.getpid()}-{int(time.time())}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def _spawn(self, name: str, module: str, argv: list[str]) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, text=True,
+            start_new_session=True,
+        )
+        child = Child(name, proc, log_path=self.log_dir / f"{name}.log")
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _pump(child: Child) -> None:
+        with open(child.log_path, "w") as log:
+            for line in child.proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith("READY "):
+                    child.ready_line = line.strip()
+                    child.ready.set()
+
+    def _wait(self, children: list[Child], deadline: float) -> None:
+        for child in children:
+            while not child.ready.wait(timeout=0.1):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; "
+                                       f"see {child.log_path}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} not ready in time; see {child.log_path}")
+
+    def worker_args(self, worker_id: str, role: str) -> list[str]:
+        return ["--model", self.spec.model, "--scheduler", self.scheduler_address,
+                "--nats-url", self.nats_url, "--worker-id", worker_id, "--role", role,
+                "--host", self.spec.host, *self.spec.engine_argv, *self.spec.worker_argv]
+
+    def start(self, timeout: float = 120.0) -> Mesh:
+        deadline = time.monotonic() + timeout
+        try:
+            if not self.nats_url:
+                self.nats_proc, self.nats_url = start_nats()
+            sched_port = free_port()
+            self.scheduler_address = f"{self.spec.host}:{sched_port}"
+            scheduler = self._spawn("scheduler", "services.scheduler", [
+                "--host", self.spec.host, "--port", str(sched_port), "--nats-url",
+                self.nats_url, *self.spec.scheduler_argv])
+            self._wait([scheduler], deadline)
+            roles = [("worker", "colocated", self.spec.workers),
+                     ("prefill", "prefill", self.spec.prefill),
+                     ("decode", "decode", self.spec.decode)]
+            workers = [self._spawn(f"{prefix}-{i}", "services.decode",
+                                   self.worker_args(f"{prefix}-{i}", role))
+                       for prefix, role, count in roles for i in range(count)]
+            gateway = self._spawn("gateway", "services.gateway", [
+                "--model", self.spec.model, "--host", self.spec.host, "--port",
+                str(self.spec.port), "--grpc-port", str(self.grpc_port), "--scheduler",
+                self.scheduler_address, *self.spec.gateway_argv])
+            self._wait([*workers, gateway], deadline)
+            self._wait_healthy(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway not healthy in time; logs in {self.log_dir}")
+            time.sleep(0.1)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (a crash, for tests)."""
+        child = self.child(name)
+        os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            stop_process(child.proc)
+        if self.nats_proc is not None:
+            stop_process(self.nats_proc)
+            self.nats_proc = None
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
