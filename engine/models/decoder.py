@@ -89,7 +89,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         weights, ids = ops.moe_route(F.linear(x, self.gate), self.top_k, self.renormalize)
-        self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.gate.shape[0])
+        # index_add_ (not bincount) keeps this free of host syncs, so it can be graph-captured.
+        flat = ids.reshape(-1)
+        self.expert_load.index_add_(0, flat, torch.ones_like(flat))
         return ops.fused_moe(x, self.w13, self.w2, weights, ids)
 
 

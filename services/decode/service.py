@@ -58,12 +58,20 @@ async def report_loop(config: WorkerConfig, core: WorkerCore, bus: EventBus) -> 
         fields = common_pb2.LoadReport.DESCRIPTOR.fields_by_name
         await bus.publish(load_subject(config.worker_id),
                           common_pb2.LoadReport(**{k: v for k, v in load.items() if k in fields}))
+        await asyncio.sleep(config.load_interval)
+
+
+async def kv_event_loop(config: WorkerConfig, core: WorkerCore, bus: EventBus,
+                        interval: float = 0.02) -> None:
+    """KV events go out as soon as they exist, so placement learns of new
+    prefixes within a step or two."""
+    while True:
         batch = core.kv_events()
         if batch is not None:
             await bus.publish(kv_subject(config.worker_id), common_pb2.KvEvents(
                 worker_id=config.worker_id, event_id=batch.event_id, stored=batch.stored,
                 removed=batch.removed, reset=batch.reset))
-        await asyncio.sleep(config.load_interval)
+        await asyncio.sleep(interval)
 
 
 async def run_worker(config: WorkerConfig) -> None:
@@ -79,7 +87,8 @@ async def run_worker(config: WorkerConfig) -> None:
     bus = EventBus(config.nats_url, config.worker_id)
     await bus.connect()
     await register(config, core, address, f"{config.host}:{metrics_port}")
-    reporter = asyncio.create_task(report_loop(config, core, bus))
+    reporters = [asyncio.create_task(report_loop(config, core, bus)),
+                 asyncio.create_task(kv_event_loop(config, core, bus))]
     await server.serving(True)
     logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, address)
     print(f"READY worker {config.worker_id} {address}", flush=True)
@@ -97,7 +106,8 @@ async def run_worker(config: WorkerConfig) -> None:
                 scheduler_pb2.DeregisterRequest(worker_id=config.worker_id), timeout=1.0)
     except grpc.RpcError:
         pass
-    reporter.cancel()
+    for task in reporters:
+        task.cancel()
     await server.stop(grace=1.0)
     await bus.close()
     engine.shutdown()

@@ -110,10 +110,14 @@ def create_app(core: GatewayCore, auth: Authenticator,
         return task.result()
 
     def span_for(route: str, prep: Prepared, tenant: str):
+        # FastAPI may already trace the HTTP request; this span carries the
+        # request's own attributes beneath it (or is the root without it).
+        outer = trace.get_current_span().get_span_context().is_valid
         return _tracer.start_as_current_span(
-            f"POST {route}", kind=trace.SpanKind.SERVER,
+            "gateway.request", kind=trace.SpanKind.INTERNAL if outer else trace.SpanKind.SERVER,
             attributes=request_attributes(prep.request_id, tenant, core.model_name,
-                                          len(prep.prompt_ids), prep.params.max_tokens))
+                                          len(prep.prompt_ids), prep.params.max_tokens)
+            | {"http.route": route})
 
     @app.get("/health")
     async def _health():

@@ -1,0 +1,213 @@
+"""Triton MoE routing: softmax + top-k (+ renormalisation), and the block
+alignment that groups (token, k) pairs by expert for the grouped GEMM.
+
+moe_align follows the vLLM/SGLang `moe_align_block_size` layout: pair indices
+sorted by expert, each expert's run padded to a multiple of block_m with the
+sentinel T * top_k, one expert id per block (-1 past the last used block) and
+the padded total. Buffers are sized from host-known upper bounds and nothing
+is read back to the host, so both ops can be captured in CUDA graphs. The
+order of pairs within an expert comes from atomics and is not deterministic;
+the GEMMs compute each row independently, so the results are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.selection import Selector, next_power_of_2
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_mask = rows < T
+    col_mask = cols < E
+    ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :]
+    x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    x = tl.where(col_mask[None, :], x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    # Padding columns sit below every probability, taken ones below those.
+    p = tl.where(col_mask[None, :], p, -1.0)
+    k_cols = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        # Ties go to the lowest expert id.
+        idx = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        top_w = tl.where(k_cols == i, best[:, None], top_w)
+        top_i = tl.where(k_cols == i, idx[:, None], top_i)
+        p = tl.where(cols[None, :] == idx[:, None], -2.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    out = rows.to(tl.int64)[:, None] * TOP_K + k_cols
+    mask = row_mask[:, None] & (k_cols < TOP_K)
+    tl.store(weights_ptr + out, top_w, mask=mask)
+    tl.store(ids_ptr + out, top_i.to(ids_ptr.dtype.element_ty), mask=mask)
+
+
+def _route_launch(logits, top_k, renormalize, *, block_t: int, num_warps: int):
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens == 0:
+        return weights, ids
+    block_t = min(block_t, next_power_of_2(tokens))
+    _route_kernel[(triton.cdiv(tokens, block_t),)](
+        logits, weights, ids, tokens, experts, logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
+        BLOCK_E=max(16, next_power_of_2(experts)), BLOCK_K=next_power_of_2(top_k),
+        num_warps=num_warps,
+    )  # fmt: skip
+    return weights, ids
+
+
+_ROUTE_CONFIGS = [
+    {"block_t": 4, "num_warps": 4},
+    {"block_t": 1, "num_warps": 1},
+    {"block_t": 2, "num_warps": 2},
+    {"block_t": 8, "num_warps": 4},
+    {"block_t": 16, "num_warps": 8},
+]
+
+_route_selector = Selector(
+    "moe_route",
+    {"rowwise": _route_launch},
+    {"rowwise": _ROUTE_CONFIGS},
+    lambda logits, top_k, renormalize: (
+        min(next_power_of_2(logits.shape[0]), 1 << 16),
+        logits.shape[1],
+        top_k,
+        str(logits.dtype),
+    ),  # fmt: skip
+)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in float32, top-k, optional renormalisation, in one kernel.
+
+    Returns (weights float32 [T, k], expert ids int64 [T, k]) ordered by
+    decreasing weight, like torch.topk.
+    """
+    if router_logits.dim() != 2 or router_logits.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"router_logits must be [T, E] in {FLOAT_DTYPES}, got "
+                         f"{router_logits.dtype} {tuple(router_logits.shape)}")  # fmt: skip
+    if router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits needs unit last stride, got {router_logits.stride()}")
+    experts = router_logits.shape[1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"number of experts must be in [1, {MAX_EXPERTS}], got {experts}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be an int in [1, {experts}], got {top_k!r}")
+    return _route_selector(router_logits, top_k, bool(renormalize))
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, counts_ptr, sorted_ptr, N, E, sorted_len,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    # Every slot starts as padding; the scatter overwrites the real ones.
+    tl.store(sorted_ptr + offs, N, mask=offs < sorted_len)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, 0)
+    # A per-chunk histogram in shared memory, then one global atomic per expert.
+    hist = tl.histogram(ids, BLOCK_E, mask=valid)
+    experts = tl.arange(0, BLOCK_E)
+    tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0), sem="relaxed")
+
+
+@triton.jit
+def _scan_kernel(
+    counts_ptr, cursor_ptr, expert_ids_ptr, total_ptr, E, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    # Every program redoes the (tiny) scan over experts rather than loop over blocks.
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < E
+    counts = tl.load(counts_ptr + experts, mask=e_mask, other=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + experts, ends - padded, mask=e_mask)
+        tl.store(total_ptr, total)
+    blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    start = blocks * BLOCK_M
+    # A block belongs to the expert whose padded run contains its first row.
+    passed = (ends[None, :] <= start[:, None]) & e_mask[None, :]
+    expert = tl.sum(passed.to(tl.int32), axis=1)
+    expert = tl.where(start < total, expert, -1)
+    tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+
+
+def align_bounds(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(padded length, number of blocks) upper bounds: at most min(E, pairs) experts pad."""
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    num_blocks = triton.cdiv(max_padded, block_m)
+    return num_blocks * block_m, num_blocks
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorts the T * k (token, k) pairs by expert, padding each expert to a multiple of block_m.
+
+    Returns int32 (sorted_ids [num_blocks * block_m], pair index = token * k + j, padding
+    and unused tail = T * k; expert_ids [num_blocks], -1 for unused blocks; total [1], the
+    padded length actually used). Ids outside [0, num_experts) are dropped.
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype not in INDEX_DTYPES or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int32/int64 [T, k], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")  # fmt: skip
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    device = topk_ids.device
+    n = topk_ids.numel()
+    sorted_len, num_blocks = align_bounds(n, num_experts, block_m)
+    sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=device)
+    counts, cursor, total = scratch[:num_experts], scratch[num_experts:-1], scratch[-1:]
+    block_e = max(16, next_power_of_2(num_experts))
+    # Enough pairs per program to amortise the histogram over all experts.
+    chunk = min(max(next_power_of_2(n), 16), 1024)
+    grid = (triton.cdiv(max(sorted_len, n), chunk),)
+    _count_kernel[grid](topk_ids, counts, sorted_ids, n, num_experts, sorted_len,
+                        CHUNK=chunk, BLOCK_E=block_e, num_warps=4)  # fmt: skip
+    block_b = max(16, 4096 // block_e)
+    _scan_kernel[(triton.cdiv(num_blocks, block_b),)](
+        counts, cursor, expert_ids, total, num_experts, num_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4,
+    )  # fmt: skip
+    if n:
+        _scatter_kernel[(triton.cdiv(n, chunk),)](topk_ids, cursor, sorted_ids, n, num_experts,
+                                                  CHUNK=chunk, num_warps=4)  # fmt: skip
+    return sorted_ids, expert_ids, total

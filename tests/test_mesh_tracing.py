@@ -1,0 +1,95 @@
+"""One request is one trace across every service it touched, exported over
+OTLP by each process and received here."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from otlp_receiver import OtlpReceiver
+
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+
+
+@pytest.fixture(scope="module")
+def traced_mesh(model_dir):
+    receiver = OtlpReceiver().start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=free_port(), env=env,
+                    engine_argv=["--device", "cpu"])
+    with Mesh(spec) as mesh:
+        yield mesh, receiver
+    receiver.stop()
+
+
+def wait_for(receiver, predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        spans = receiver.snapshot()
+        if predicate(spans):
+            return spans
+        time.sleep(0.1)
+    return receiver.snapshot()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_trace_per_request_across_processes(traced_mesh, stream):
+    mesh, receiver = traced_mesh
+    ids = []
+    for i in range(3):
+        resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": f"trace me {i}", "max_tokens": 5, "stream": stream})
+        assert resp.status_code == 200
+        if stream:
+            first = next(line for line in resp.text.splitlines() if line.startswith("data: {"))
+            ids.append(first.split('"id": "')[1].split('"')[0])
+        else:
+            ids.append(resp.json()["id"])
+
+    def complete(spans):
+        return all(sum(1 for s in spans if s.name == "decode"
+                       and _trace_of(spans, rid) == s.trace_id) == 1 for rid in ids)
+
+    spans = wait_for(receiver, complete)
+    for rid in ids:
+        trace_id = _trace_of(spans, rid)
+        assert trace_id, f"no gateway span for {rid}"
+        mine = [s for s in spans if s.trace_id == trace_id]
+        by_id = {s.span_id: s for s in mine}
+        names = {s.name for s in mine}
+        assert {"gateway.request", "placement", "scheduler.place", "worker.stream",
+                "worker.generate", "queue", "prefill", "decode", "detokenize"} <= names
+        assert {s.service for s in mine} == {"yinian-gateway", "yinian-scheduler",
+                                             "yinian-colocated"}
+        roots = [s for s in mine if not s.parent_id]
+        assert len(roots) == 1 and roots[0].service == "yinian-gateway"
+        request = next(s for s in mine if s.name == "gateway.request")
+        chain = request
+        while chain.parent_id:  # gateway.request hangs (indirectly) from the HTTP root
+            chain = by_id[chain.parent_id]
+        assert chain is roots[0]
+
+        def parent(name):
+            span = next(s for s in mine if s.name == name)
+            return by_id[span.parent_id].name
+
+        assert parent("placement") == "gateway.request"
+        assert parent("scheduler.place") == "placement"
+        assert parent("worker.stream") == "gateway.request"
+        assert parent("worker.generate") == "worker.stream"
+        assert {parent(n) for n in ("queue", "prefill", "decode")} == {"worker.generate"}
+        assert parent("detokenize") == "worker.stream"
+        attrs = request.attributes
+        assert attrs["yinian.request_id"] == rid and attrs["gen_ai.usage.input_tokens"] > 0
+        gen = next(s for s in mine if s.name == "worker.generate").attributes
+        assert gen["gen_ai.usage.output_tokens"] == 5 and "yinian.cached_tokens" in gen
+
+
+def _trace_of(spans, request_id: str) -> str:
+    for s in spans:
+        if s.name == "gateway.request" and s.attributes.get("yinian.request_id") == request_id:
+            return s.trace_id
+    return ""
