@@ -87,7 +87,7 @@ def main() -> None:
                          weights=False)
     llm = LLM(folder, dtype="bfloat16" if cuda else "float32", device=args.device,
               load_format="dummy",
-              attention_backend=args.backend, max_num_seqs=256, max_num_batched_tokens=8192)
+              kernels=args.backend, max_num_seqs=256, max_num_batched_tokens=8192)
     config = llm.engine.model_config
     weight_bytes = config.num_parameters() * 2
     floor_tps = ceilings["copy_gbps"] * 1e9 / weight_bytes

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
+_KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(slots=True)
@@ -28,7 +29,9 @@ class EngineConfig:
     max_prefill_chunk: int | None = None  # cap on one sequence's prompt tokens per step
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "auto"  # "auto": triton on CUDA when available, else torch
+    # "auto": Triton kernels on CUDA, torch references on CPU; "triton": kernels
+    # everywhere (CPU through Triton's interpreter); "torch": references everywhere.
+    kernels: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self) -> None:
@@ -38,6 +41,8 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
             )
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"

@@ -18,6 +18,7 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SampleResult
 from engine.sequence import Sequence
+from kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,14 @@ class ModelRunner:
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, config.load_format, config.seed
         )
-        backend = config.attention_backend
-        self.backend = get_backend("torch" if backend == "auto" else backend)
+        self.kernel_mode = config.kernels
+        if config.kernels == "auto":
+            self.kernel_mode = "triton" if self.device.type == "cuda" else "torch"
+        if self.kernel_mode == "triton":
+            from kernels.cuda_ops import register
+
+            register()
+        self.backend = get_backend(self.kernel_mode)
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
@@ -67,6 +74,16 @@ class ModelRunner:
                     self.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**20)
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
+        self.graphs = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and getattr(self.backend, "graph_safe", False)):
+            from engine.cuda_graphs import DecodeGraphs
+
+            max_len = min(config.max_model_len or model_config.max_position_embeddings,
+                          model_config.max_position_embeddings)
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_len)
+            with ops.using(self.kernel_mode):
+                self.graphs.capture()
 
     # -- KV cache ------------------------------------------------------------
     def _blocks_that_fit(self) -> int:
@@ -136,20 +153,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Final hidden states of every row of the step."""
+        """Final hidden states of every row of the step (always eager)."""
         self.num_tokens_processed += int(inputs.input_ids.shape[0])
-        return self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
-        )
+        with ops.using(self.kernel_mode):
+            return self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
+            )
 
     @torch.inference_mode()
     def execute(
         self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
     ) -> tuple[list[Sequence], SampleResult | None]:
         inputs = self.prepare(seqs, num_new, block_tables)
+        batch = len(seqs)
+        if (self.graphs is not None and inputs.meta.decode_only
+                and batch <= self.graphs.max_batch):
+            self.num_tokens_processed += batch
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
         hidden = self.forward(inputs)
         if not inputs.sample_seqs:
             return [], None
         rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        with ops.using(self.kernel_mode):
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

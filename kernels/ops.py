@@ -1,23 +1,42 @@
-"""The operators the engine calls. Each picks its implementation once per
-call from the tensor's device: Triton kernels on CUDA where one is
-registered, the torch reference everywhere else."""
+"""The operators the engine calls. Each picks its implementation per call:
+in mode "auto" the Triton kernel for CUDA tensors (where one is registered)
+and the torch reference otherwise; mode "triton" uses the kernels for every
+device (on CPU through Triton's interpreter, for tests); mode "torch" always
+uses the references (to compare against them on the GPU)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from kernels import reference
 
-# name -> CUDA implementation; filled by kernels.triton_ops when Triton is usable.
+MODES = ("auto", "triton", "torch")
+# name -> kernel implementation; filled by kernels.cuda_ops.register().
 _CUDA_IMPLS: dict[str, object] = {}
+_mode = "auto"
 
 
 def register_cuda(name: str, fn) -> None:
     _CUDA_IMPLS[name] = fn
 
 
+@contextlib.contextmanager
+def using(mode: str):
+    """Runs the enclosed calls with the given implementation mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    previous, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = previous
+
+
 def _pick(name: str, x: torch.Tensor):
-    if x.is_cuda and name in _CUDA_IMPLS:
+    if _mode != "torch" and (x.is_cuda or _mode == "triton") and name in _CUDA_IMPLS:
         return _CUDA_IMPLS[name]
     return getattr(reference, name)
 

@@ -8,15 +8,17 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
 # Triton kernels run on the CPU through Triton's interpreter, which must be
 # chosen before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import fix_interpreter  # noqa: E402
 
-import pytest
+    fix_interpreter()
 
-sys.path.insert(0, str(Path(__file__).parent))
-
+import pytest  # noqa: E402
 from hf_oracle import ARCH_CONFIGS  # noqa: E402
 
 from engine.make_model import TINY_PRESETS, preset_config, write_model  # noqa: E402

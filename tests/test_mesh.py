@@ -15,8 +15,13 @@ import pytest
 from test_hf_parity import random_prompts
 
 from engine import LLM, SamplingParams
-from proto.yinian.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2
-from proto.yinian.v1 import scheduler_pb2_grpc
+from proto.yinian.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 

@@ -72,7 +72,7 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
             chain = by_id[chain.parent_id]
         assert chain is roots[0]
 
-        def parent(name):
+        def parent(name, mine=mine, by_id=by_id):
             span = next(s for s in mine if s.name == name)
             return by_id[span.parent_id].name
 

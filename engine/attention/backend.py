@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
 
 class TorchAttentionBackend:
     name = "torch"
+    graph_safe = False  # reads sequence lengths on the host
 
     def attend(self, q, k, v, cache, meta, scale):
         return attention_reference.paged_attention(
@@ -38,10 +39,14 @@ class TorchAttentionBackend:
         )
 
 
-_BACKENDS = {"torch": TorchAttentionBackend}
+_NAMES = ("torch", "triton")
 
 
 def get_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose from {_NAMES}")

@@ -1,0 +1,149 @@
+"""The kernels benchmark on one GPU, in one run: ceilings first, then every
+kernel against its reference (time, GB/s or TFLOP/s, fraction of the ceiling,
+speed-up), the engine with kernels and CUDA graphs checked against itself on
+the torch references, and end-to-end decode of the llama3-8b preset against
+the roofline and the engine baseline.
+
+Usage: python -m bench.kernels_gpu --out DIR [--skip SECTION ...]
+Writes DIR/kernels.json after every section and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.ceilings import measure
+from bench.engine_baseline import decode_rate, offline_throughput
+from engine import LLM
+from engine.make_model import TINY_PRESETS, preset_config, write_model
+
+BASELINE = Path(__file__).parent / "results" / "engine_baseline.json"
+
+
+def roofline_step_s(config, ceilings: dict, batch: int, context: int) -> float:
+    """Lower bound of one decode step: weights + the batch's KV read once, or the FLOPs."""
+    weight_bytes = config.num_parameters() * 2
+    kv_per_token = 2 * config.num_key_value_heads * config.head_dim * 2 * config.num_hidden_layers
+    bytes_moved = weight_bytes + batch * context * kv_per_token
+    flops = 2 * config.num_parameters() * batch + batch * config.num_hidden_layers * (
+        4 * context * config.num_attention_heads * config.head_dim)
+    return max(bytes_moved / (ceilings["copy_gbps"] * 1e9),
+               flops / (ceilings["matmul_bf16_tflops"] * 1e12))
+
+
+def engine_checks(tmp: Path) -> dict:
+    from bench.engine_kernels_check import check_model
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for preset in TINY_PRESETS:
+        folder = write_model(tmp / preset, preset_config(preset), seed=1)
+        prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 17, 200, 700)]
+        out[preset] = check_model(folder, "auto", prompts, 24, max_num_seqs=16)
+    folder = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
+    prompts = [torch.randint(0, 120000, (n,), generator=g).tolist() for n in (1, 33, 500, 2000)]
+    out["llama3-8b"] = check_model(folder, "dummy", prompts, 24, max_num_seqs=16,
+                                   max_model_len=8192)
+    return out
+
+
+def end_to_end(tmp: Path, ceilings: dict) -> dict:
+    folder = write_model(tmp / "llama3-8b-e2e", preset_config("llama3-8b"), weights=False)
+    start = time.monotonic()
+    llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy",
+              max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+    startup = time.monotonic() - start
+    config = llm.engine.model_config
+    floor_tps = ceilings["copy_gbps"] * 1e9 / (config.num_parameters() * 2)
+    decode = [decode_rate(llm, 1, 128, 64), decode_rate(llm, 64, 1024, 32)]
+    for d in decode:
+        bound = roofline_step_s(config, ceilings, d["batch"], d["context"])
+        d["roofline_step_ms"] = bound * 1e3
+        d["step_over_roofline"] = d["step_ms"] / (bound * 1e3)
+    decode[0]["fraction_of_bandwidth_floor"] = decode[0]["tokens_per_s"] / floor_tps
+    offline = offline_throughput(llm, 256, 1024, 128)
+    result = {"startup_s": startup, "batch1_bandwidth_floor_tokens_per_s": floor_tps,
+              "decode": decode, "offline": offline}
+    if BASELINE.is_file():
+        base = json.loads(BASELINE.read_text())
+        result["speedup_over_baseline"] = {
+            "decode_batch1": decode[0]["tokens_per_s"] / base["decode"][0]["tokens_per_s"],
+            "decode_batch64": decode[1]["tokens_per_s"] / base["decode"][1]["tokens_per_s"],
+            "offline_output_tokens": offline["output_tokens_per_s"]
+            / base["offline"]["output_tokens_per_s"],
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip", nargs="*", default=[])
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp())
+    ceilings = measure()
+    results: dict = {"ceilings": ceilings}
+
+    def section(name, fn):
+        if name in args.skip:
+            return
+        start = time.monotonic()
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            print(results[name]["error"], flush=True)
+        results.setdefault("seconds", {})[name] = time.monotonic() - start
+        (out / "kernels.json").write_text(json.dumps(results, indent=2, default=str))
+        print(f"-- {name} done in {time.monotonic() - start:.0f} s", flush=True)
+
+    from bench import kernels_attention, kernels_ops
+
+    section("attention", lambda: kernels_attention.run(ceilings))
+    section("ops", lambda: kernels_ops.run(ceilings))
+    section("engine_checks", lambda: engine_checks(tmp))
+    section("end_to_end", lambda: end_to_end(tmp, ceilings))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    c = results["ceilings"]
+    print(f"\nceilings: copy {c['copy_gbps']:.0f} GB/s, bf16 matmul "
+          f"{c['matmul_bf16_tflops']:.0f} TFLOP/s")
+    print("| op | shape | ms | achieved | of ceiling | target | vs ref | vs sdpa | err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in list(results.get("attention") or []) + list(results.get("ops") or []):
+        if not isinstance(row, dict) or "op" not in row:
+            continue
+        print(f"| {row['op']} | {row.get('shape')} | {row.get('ms', 0):.4f} | "
+              f"{row.get('achieved', 0):.0f} {row.get('metric', '')} | "
+              f"{row.get('fraction_of_ceiling', 0):.2f} | {row.get('target')} | "
+              f"{row.get('speedup_vs_reference', 0):.1f}x | {row.get('speedup_vs_sdpa', '')} | "
+              f"{row.get('max_rel_error', 0):.1e} |")
+    checks = results.get("engine_checks") or {}
+    for name, check in checks.items():
+        if isinstance(check, dict) and "passed" in check:
+            print(f"engine check {name}: passed={check['passed']} logits rel err "
+                  f"{max(check['prompt_logits_rel_error']):.2e}")
+    e2e = results.get("end_to_end") or {}
+    for d in e2e.get("decode", []):
+        print(f"decode batch {d['batch']} @ {d['context']}: {d['tokens_per_s']:.1f} tok/s, "
+              f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline")
+    if "offline" in e2e:
+        o = e2e["offline"]
+        print(f"offline 256x1024->128: {o['output_tokens_per_s']:.0f} out tok/s")
+    if "speedup_over_baseline" in e2e:
+        print(f"speed-up over baseline: {e2e['speedup_over_baseline']}")
+
+
+if __name__ == "__main__":
+    main()

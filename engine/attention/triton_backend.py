@@ -1,0 +1,19 @@
+"""Attention through the Triton kernels: split-KV decode for all-decode
+batches (graph-capturable), the varlen extend kernel for everything else."""
+
+from __future__ import annotations
+
+from kernels.decode_attention import decode_attention
+from kernels.extend_attention import extend_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    graph_safe = True  # the decode path reads no device values on the host
+
+    def attend(self, q, k, v, cache, meta, scale):
+        if meta.decode_only:
+            return decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale,
+                                    meta.max_seq_len)
+        return extend_attention(q, k, v, cache, meta.block_tables, meta.query_start_loc,
+                                meta.seq_lens, meta.max_query_len, scale)

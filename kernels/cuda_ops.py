@@ -1,0 +1,34 @@
+"""Registers the Triton kernels as the CUDA implementations of `kernels.ops`.
+
+Imported once by the engine when it runs on CUDA; on CPU the references run
+(tests exercise the kernels on CPU through Triton's interpreter directly).
+"""
+
+from __future__ import annotations
+
+from kernels import ops
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from kernels.activation import silu_and_mul
+    from kernels.fused_moe import fused_moe
+    from kernels.moe_routing import moe_route
+    from kernels.norm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import apply_rotary, rotary_cache_write
+
+    for fn in (rms_norm, fused_add_rms_norm, silu_and_mul, apply_rotary, rotary_cache_write,
+               moe_route, fused_moe):
+        ops.register_cuda(fn.__name__, fn)
+    _registered = True
+
+
+def unregister() -> None:
+    """Back to the references everywhere (the engine's `kernels="torch"` option)."""
+    global _registered
+    ops._CUDA_IMPLS.clear()
+    _registered = False
