@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -406,12 +407,26 @@ def _compose_unavailable() -> str | None:
     ],
     ids=["cpu", "gpu", "model", "gpu+model"],
 )
-def test_docker_compose_config(files, tmp_path):
+def test_docker_compose_config(files, tmp_path, monkeypatch):
     reason = _compose_unavailable()
     if reason:
         pytest.skip(f"docker compose plugin not available: {reason}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("YINIAN_", "COMPOSE_"))}
     env["MODEL_DIR"] = str(tmp_path)
-    cmd = ["docker", "compose"] + [a for f in files for a in ("-f", str(f))] + ["config", "-q"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    cmd = ["docker", "compose"] + [a for f in files for a in ("-f", str(f))] + ["config"]
+    result = subprocess.run(
+        [*cmd, "--format", "json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert result.returncode == 0, result.stderr
+    # What compose resolved (anchors, merges, overrides, interpolation) still
+    # starts every yinian service the way the checks above expect.
+    resolved = json.loads(result.stdout)
+    assert set(resolved["services"]) == EXPECTED_SERVICES
+    for name in YINIAN_SERVICES:
+        service = resolved["services"][name]
+        config = parse_command(monkeypatch, service["command"], service["environment"])
+        assert config.host == "0.0.0.0"
+        if name in WORKERS:
+            assert config.advertise_host == name
+            assert config.model == ("/models/model" if COMPOSE_MODEL in files else TINY_MODEL)
+            assert ("deploy" in service) == (COMPOSE_GPU in files)

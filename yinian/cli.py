@@ -12,6 +12,7 @@ import logging
 import sys
 
 from engine.cli_args import add_engine_args, engine_options
+from bench.cli import add_bench_parser
 from yinian.up import add_up_parser
 
 
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     add_up_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

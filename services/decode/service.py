@@ -86,7 +86,8 @@ async def run_worker(config: WorkerConfig) -> None:
     metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, config.worker_id)
     await bus.connect()
-    await register(config, core, address, f"{config.host}:{metrics_port}")
+    await register(config, core, address,
+                   f"{config.advertise_host or config.host}:{metrics_port}")
     reporters = [asyncio.create_task(report_loop(config, core, bus)),
                  asyncio.create_task(kv_event_loop(config, core, bus))]
     await server.serving(True)
