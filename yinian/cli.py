@@ -11,8 +11,8 @@ import json
 import logging
 import sys
 
-from engine.cli_args import add_engine_args, engine_options
 from bench.cli import add_bench_parser
+from engine.cli_args import add_engine_args, engine_options
 from yinian.up import add_up_parser
 
 
