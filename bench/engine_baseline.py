@@ -40,17 +40,22 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> dict:
     while any(s.in_prefill for s in engine.scheduler.waiting + engine.scheduler.running):
         engine.step()
     for _ in range(3):  # warm up at this batch size
-        engine.step()
+        engine.step(finished_only=True)
     _sync()
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        engine.step(finished_only=True)
     _sync()
     elapsed = time.perf_counter() - start
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
-    return {"batch": batch, "context": context, "steps": steps,
-            "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * steps / elapsed}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "step_ms": elapsed / steps * 1e3,
+        "tokens_per_s": batch * steps / elapsed,
+    }
 
 
 def offline_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int) -> dict:
@@ -64,10 +69,15 @@ def offline_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: i
     _sync()
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-            "elapsed_s": elapsed, "requests_per_s": num_prompts / elapsed,
-            "output_tokens_per_s": generated / elapsed,
-            "total_tokens_per_s": (generated + num_prompts * input_len) / elapsed}
+    return {
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "elapsed_s": elapsed,
+        "requests_per_s": num_prompts / elapsed,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + num_prompts * input_len) / elapsed,
+    }
 
 
 def main() -> None:
@@ -83,17 +93,27 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     ceilings = measure() if cuda else {"copy_gbps": 1.0, "matmul_bf16_tflops": 1.0}
-    folder = write_model(Path(tempfile.mkdtemp()) / args.preset, preset_config(args.preset),
-                         weights=False)
-    llm = LLM(folder, dtype="bfloat16" if cuda else "float32", device=args.device,
-              load_format="dummy",
-              kernels=args.backend, max_num_seqs=256, max_num_batched_tokens=8192)
+    folder = write_model(
+        Path(tempfile.mkdtemp()) / args.preset, preset_config(args.preset), weights=False
+    )
+    llm = LLM(
+        folder,
+        dtype="bfloat16" if cuda else "float32",
+        device=args.device,
+        load_format="dummy",
+        kernels=args.backend,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
     config = llm.engine.model_config
     weight_bytes = config.num_parameters() * 2
     floor_tps = ceilings["copy_gbps"] * 1e9 / weight_bytes
     result = {
-        "benchmark": "engine_baseline", "tag": args.tag, "model": f"{args.preset} (dummy)",
-        "ceilings": ceilings, "weight_bytes": weight_bytes,
+        "benchmark": "engine_baseline",
+        "tag": args.tag,
+        "model": f"{args.preset} (dummy)",
+        "ceilings": ceilings,
+        "weight_bytes": weight_bytes,
         "kv_blocks": llm.engine.runner.num_blocks,
         "batch1_bandwidth_floor_tokens_per_s": floor_tps,
         "decode": [decode_rate(llm, 1, 128, 64), decode_rate(llm, 64, 1024, 32)],
@@ -105,13 +125,17 @@ def main() -> None:
     print(f"| copy GB/s | {ceilings['copy_gbps']:.0f} |")
     print(f"| bf16 matmul TFLOP/s | {ceilings['matmul_bf16_tflops']:.0f} |")
     for d in result["decode"]:
-        print(f"| decode batch {d['batch']} @ {d['context']} ctx tok/s | "
-              f"{d['tokens_per_s']:.1f} ({d['step_ms']:.1f} ms/step) |")
+        print(
+            f"| decode batch {d['batch']} @ {d['context']} ctx tok/s | "
+            f"{d['tokens_per_s']:.1f} ({d['step_ms']:.1f} ms/step) |"
+        )
     print(f"| batch-1 bandwidth floor tok/s | {floor_tps:.1f} |")
     o = result["offline"]
-    print(f"| offline {o['num_prompts']}x{o['input_len']}->{o['output_len']} | "
-          f"{o['output_tokens_per_s']:.0f} out tok/s, {o['total_tokens_per_s']:.0f} total tok/s,"
-          f" {o['elapsed_s']:.1f} s |")
+    print(
+        f"| offline {o['num_prompts']}x{o['input_len']}->{o['output_len']} | "
+        f"{o['output_tokens_per_s']:.0f} out tok/s, {o['total_tokens_per_s']:.0f} total tok/s,"
+        f" {o['elapsed_s']:.1f} s |"
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 request's outputs arrive on an asyncio queue.
 
     async for out in llm.generate(prompt, params, request_id="r1"):
-        ...  # cumulative RequestOutput; the last one has finished=True
+        ...  # cumulative RequestOutput (or only what is new, delta=True);
+             # the last one has finished=True
 
 Validation happens in the caller, before anything is queued. Leaving the
 `async for` early (a client that went away) aborts the request.
@@ -31,7 +32,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._pending: list[tuple] = []  # ("add", args, kwargs) | ("abort", request_id)
+        self._pending: list[tuple[str, str, dict]] = []  # (kind, request_id, add_request kwargs)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         # Only the engine thread touches the engine; others read these snapshots.
@@ -53,6 +54,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         namespace: str = "",
+        delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         if self._stopped:
             raise RuntimeError("the engine has shut down")
@@ -64,7 +66,18 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._pending.append(
-                ("add", request_id, prompt, prompt_ids, params, priority, namespace)
+                (
+                    "add",
+                    request_id,
+                    dict(
+                        prompt=prompt,
+                        params=params,
+                        priority=priority,
+                        namespace=namespace,
+                        prompt_token_ids=prompt_ids,
+                        delta=delta,
+                    ),
+                )
             )
         self._wake.set()
         finished = False
@@ -84,7 +97,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._queues.pop(request_id, None) is not None:
-                self._pending.append(("abort", request_id))
+                self._pending.append(("abort", request_id, {}))
         self._wake.set()
 
     def get_stats(self) -> dict:
@@ -112,20 +125,12 @@ class AsyncLLM:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        for command in pending:
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
-                continue
-            _, request_id, prompt, prompt_ids, params, priority, namespace = command
+        for kind, request_id, kwargs in pending:
             try:
-                self.engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    priority=priority,
-                    namespace=namespace,
-                    prompt_token_ids=prompt_ids,
-                )
+                if kind == "abort":
+                    self.engine.abort_request(request_id)
+                else:
+                    self.engine.add_request(request_id, **kwargs)
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
         self._publish()
@@ -143,6 +148,22 @@ class AsyncLLM:
                 pass
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine is gone: nobody may wait forever
+            logger.exception("engine thread died")
+            self._stopped = True
+            with self._lock:
+                queues, self._queues = self._queues, {}
+            for loop, queue in queues.values():
+                try:
+                    loop.call_soon_threadsafe(
+                        queue.put_nowait, RuntimeError(f"the engine stopped: {exc}")
+                    )
+                except RuntimeError:
+                    pass
+
+    def _loop(self) -> None:
         while not self._stopped:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():

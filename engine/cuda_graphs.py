@@ -57,8 +57,13 @@ class DecodeGraphs:
 
     def _step(self, batch: int) -> torch.Tensor:
         r = self.runner
-        hidden = r.model(self.input_ids[:batch], self.positions[:batch], r.kv_caches,
-                         self._meta(batch), r.backend)
+        hidden = r.model(
+            self.input_ids[:batch],
+            self.positions[:batch],
+            r.kv_caches,
+            self._meta(batch),
+            r.backend,
+        )
         return r.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -78,8 +83,13 @@ class DecodeGraphs:
                 self.graphs[batch] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d decode graphs (batch %d..%d) in %.1f s", len(self.graphs),
-                    self.buckets[0], self.max_batch, time.monotonic() - start)
+        logger.info(
+            "captured %d decode graphs (batch %d..%d) in %.1f s",
+            len(self.graphs),
+            self.buckets[0],
+            self.max_batch,
+            time.monotonic() - start,
+        )
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Logits of a decode step of `len(input_ids)` sequences."""

@@ -39,6 +39,7 @@ class KVCacheManager:
         self.tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}  # seq_id -> leading blocks already published
+        self._ids: dict[str, list[int]] = {}  # seq_id -> block ids of its table
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -47,7 +48,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq.seq_id, ())]
+        """The sequence's block table as ids (kept in step with `tables`; do not modify)."""
+        return self._ids.get(seq.seq_id, [])
 
     def block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of the sequence's full blocks (computed lazily, extended as it grows)."""
@@ -106,8 +108,13 @@ class KVCacheManager:
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += num_computed
         if need > 0:
-            table = table + self.pool.allocate(need)
+            new = self.pool.allocate(need)
+            table = table + new
         self.tables[seq.seq_id] = table
+        if cached is not None or seq.seq_id not in self._ids:
+            self._ids[seq.seq_id] = [b.block_id for b in table]
+        elif need > 0:
+            self._ids[seq.seq_id].extend(b.block_id for b in new)
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -116,6 +123,7 @@ class KVCacheManager:
         shared = self.tables[parent.seq_id][:shared_blocks]
         self.pool.touch(shared)
         self.tables[child.seq_id] = list(shared)
+        self._ids[child.seq_id] = [b.block_id for b in shared]
         child.num_computed_tokens = shared_blocks * self.block_size
         child.num_cached_tokens = child.num_computed_tokens
 
@@ -123,6 +131,7 @@ class KVCacheManager:
         table = self.tables.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         self._committed.pop(seq.seq_id, None)
+        self._ids.pop(seq.seq_id, None)
         if table:
             self.pool.free(list(reversed(table)))
 
@@ -135,10 +144,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(seq.seq_id)
-        if not table:
-            return
-        hashes = self.block_hashes(seq)
         done = self._committed.get(seq.seq_id, 0)
+        if not table or seq.num_computed_tokens // self.block_size <= done:
+            return  # no newly full block (the common decode step)
+        hashes = self.block_hashes(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(hashes), len(table))
         for i in range(done, full):
             self.pool.cache_block(table[i], hashes[i])

@@ -27,12 +27,19 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(config.num_hidden_layers, block_size, 2, config.num_key_value_heads,
-                   config.head_dim, dtype)
+        return cls(
+            config.num_hidden_layers,
+            block_size,
+            2,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+        )
 
     @classmethod
-    def latent(cls, num_layers: int, block_size: int, latent_dim: int,
-               dtype: torch.dtype) -> KVCacheSpec:
+    def latent(
+        cls, num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype
+    ) -> KVCacheSpec:
         return cls(num_layers, block_size, 1, 1, latent_dim, dtype)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -49,6 +56,7 @@ class KVCacheSpec:
         return self.bytes_per_block_per_layer * self.num_layers
 
     def allocate(self, num_blocks: int, device) -> list[torch.Tensor]:
-        cache = torch.zeros((self.num_layers, *self.layer_shape(num_blocks)), dtype=self.dtype,
-                            device=device)
+        cache = torch.zeros(
+            (self.num_layers, *self.layer_shape(num_blocks)), dtype=self.dtype, device=device
+        )
         return list(cache.unbind(0))

@@ -63,7 +63,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished:
                     finished[out.request_id] = out
                     bar.update(1)

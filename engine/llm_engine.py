@@ -104,8 +104,10 @@ class LLMEngine:
         namespace: str = "",
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        delta: bool = False,
     ) -> None:
-        """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized."""
+        """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized.
+        With `delta`, each output carries only the tokens and text new since the last."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -124,6 +126,7 @@ class LLMEngine:
             prompt_token_ids=prompt_ids,
             seqs=seqs,
             metrics=RequestMetrics(arrival_time=arrival),
+            delta=delta,
         )
         for seq in seqs:
             self.scheduler.add(seq)
@@ -162,8 +165,9 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- stepping ------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the current output of every request it touched."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Runs one batch; returns the output of every request it touched (or, with
+        `finished_only`, of those that finished)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -181,7 +185,7 @@ class LLMEngine:
             logger.exception("model step failed")
             for seq in batch.seqs:
                 self._fail(seq, f"model step failed: {exc}")
-            return [self._emit(s) for s in touched.values()]
+            return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.kv.commit(seq)
@@ -197,7 +201,7 @@ class LLMEngine:
             )
             if seq.is_finished:
                 self.scheduler.remove(seq)
-        return [self._emit(s) for s in touched.values()]
+        return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
 
     def _fork_children(self, state: RequestState) -> None:
         parent = state.seqs[0]

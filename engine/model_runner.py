@@ -70,17 +70,26 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
-                    self.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.kv_spec.bytes_per_block / 2**20,
+        )
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
         self.graphs = None
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and getattr(self.backend, "graph_safe", False)):
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and getattr(self.backend, "graph_safe", False)
+        ):
             from engine.cuda_graphs import DecodeGraphs
 
-            max_len = min(config.max_model_len or model_config.max_position_embeddings,
-                          model_config.max_position_embeddings)
+            max_len = min(
+                config.max_model_len or model_config.max_position_embeddings,
+                model_config.max_position_embeddings,
+            )
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
@@ -166,8 +175,7 @@ class ModelRunner:
     ) -> tuple[list[Sequence], SampleResult | None]:
         inputs = self.prepare(seqs, num_new, block_tables)
         batch = len(seqs)
-        if (self.graphs is not None and inputs.meta.decode_only
-                and batch <= self.graphs.max_batch):
+        if self.graphs is not None and inputs.meta.decode_only and batch <= self.graphs.max_batch:
             self.num_tokens_processed += batch
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

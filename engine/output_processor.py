@@ -24,6 +24,7 @@ class RequestState:
     metrics: RequestMetrics
     error: str | None = None
     kv_transfer_params: dict = field(default_factory=dict)
+    delta: bool = False  # outputs carry only what is new since the last one
 
     @property
     def finished(self) -> bool:
@@ -70,18 +71,7 @@ def make_output(state: RequestState) -> RequestOutput:
     firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
     if firsts:
         state.metrics.first_token_time = min(firsts)
-    outputs = [
-        CompletionOutput(
-            index=s.index,
-            text=s.text_stream.visible(s.is_finished),
-            token_ids=list(s.output_token_ids),
-            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason.value if s.finish_reason else None,
-            stop_reason=s.stop_reason,
-        )
-        for s in state.seqs
-    ]
+    outputs = [_completion(s, state.delta) for s in state.seqs]
     errors = [s.error for s in state.seqs if s.error]
     return RequestOutput(
         request_id=state.request_id,
@@ -94,3 +84,21 @@ def make_output(state: RequestState) -> RequestOutput:
         metrics=state.metrics,
         kv_transfer_params=state.kv_transfer_params,
     )
+
+
+def _completion(s: Sequence, delta: bool) -> CompletionOutput:
+    text = s.text_stream.visible(s.is_finished)
+    tokens, chars = s.num_emitted_tokens if delta else 0, s.num_emitted_chars if delta else 0
+    want_logprobs = s.params.logprobs is not None
+    out = CompletionOutput(
+        index=s.index,
+        text=text[chars:],
+        token_ids=s.output_token_ids[tokens:],
+        cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
+        logprobs=s.logprobs[tokens:] if want_logprobs else None,
+        finish_reason=s.finish_reason.value if s.finish_reason else None,
+        stop_reason=s.stop_reason,
+    )
+    if delta:
+        s.num_emitted_tokens, s.num_emitted_chars = s.num_output_tokens, len(text)
+    return out

@@ -33,8 +33,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [N, V] float32, row i belonging to seqs[i]."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
+        if any(s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = logits.clone()
         for row, seq in enumerate(seqs):
             p = seq.params
             if p.needs_penalties:
@@ -44,12 +46,12 @@ class Sampler:
                 if banned:
                     logits[row, list(banned)] = _NEG_INF
         chosen = self._choose(logits, seqs)
-        chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
         token_ids = chosen.tolist()
-        token_logprobs = chosen_lp.tolist()
         logprobs = [None] * len(seqs)
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        token_logprobs = [0.0] * len(seqs)  # only computed for rows that asked for logprobs
         if wanted:
+            chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+            token_logprobs = chosen_lp.tolist()
             top_n = max(seqs[i].params.logprobs for i in wanted)
             rows = raw_logprobs[wanted]
             ranks = (rows > chosen_lp[wanted, None]).sum(-1) + 1
@@ -66,9 +68,8 @@ class Sampler:
         return SampleResult(token_ids, logprobs, token_logprobs)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         chosen = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(s.params.greedy for s in seqs):
             return chosen
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])

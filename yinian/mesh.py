@@ -65,7 +65,8 @@ class Mesh:
         self.scheduler_address = ""
         self.grpc_port = spec.grpc_port or free_port()
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
-            f"yinian-{os.getpid()}-{int(time.time())}")
+            f"yinian-{os.getpid()}-{int(time.time())}"
+        )
 
     @property
     def url(self) -> str:
@@ -75,8 +76,12 @@ class Mesh:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, text=True,
+            [sys.executable, "-m", module, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+            text=True,
             start_new_session=True,
         )
         child = Child(name, proc, log_path=self.log_dir / f"{name}.log")
@@ -98,15 +103,29 @@ class Mesh:
         for child in children:
             while not child.ready.wait(timeout=0.1):
                 if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; "
-                                       f"see {child.log_path}")
+                    raise RuntimeError(
+                        f"{child.name} exited with {child.proc.returncode}; see {child.log_path}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{child.name} not ready in time; see {child.log_path}")
 
     def worker_args(self, worker_id: str, role: str) -> list[str]:
-        return ["--model", self.spec.model, "--scheduler", self.scheduler_address,
-                "--nats-url", self.nats_url, "--worker-id", worker_id, "--role", role,
-                "--host", self.spec.host, *self.spec.engine_argv, *self.spec.worker_argv]
+        return [
+            "--model",
+            self.spec.model,
+            "--scheduler",
+            self.scheduler_address,
+            "--nats-url",
+            self.nats_url,
+            "--worker-id",
+            worker_id,
+            "--role",
+            role,
+            "--host",
+            self.spec.host,
+            *self.spec.engine_argv,
+            *self.spec.worker_argv,
+        ]
 
     def start(self, timeout: float = 120.0) -> Mesh:
         deadline = time.monotonic() + timeout
@@ -115,20 +134,49 @@ class Mesh:
                 self.nats_proc, self.nats_url = start_nats()
             sched_port = free_port()
             self.scheduler_address = f"{self.spec.host}:{sched_port}"
-            scheduler = self._spawn("scheduler", "services.scheduler", [
-                "--host", self.spec.host, "--port", str(sched_port), "--nats-url",
-                self.nats_url, *self.spec.scheduler_argv])
+            scheduler = self._spawn(
+                "scheduler",
+                "services.scheduler",
+                [
+                    "--host",
+                    self.spec.host,
+                    "--port",
+                    str(sched_port),
+                    "--nats-url",
+                    self.nats_url,
+                    *self.spec.scheduler_argv,
+                ],
+            )
             self._wait([scheduler], deadline)
-            roles = [("worker", "colocated", self.spec.workers),
-                     ("prefill", "prefill", self.spec.prefill),
-                     ("decode", "decode", self.spec.decode)]
-            workers = [self._spawn(f"{prefix}-{i}", "services.decode",
-                                   self.worker_args(f"{prefix}-{i}", role))
-                       for prefix, role, count in roles for i in range(count)]
-            gateway = self._spawn("gateway", "services.gateway", [
-                "--model", self.spec.model, "--host", self.spec.host, "--port",
-                str(self.spec.port), "--grpc-port", str(self.grpc_port), "--scheduler",
-                self.scheduler_address, *self.spec.gateway_argv])
+            roles = [
+                ("worker", "colocated", self.spec.workers),
+                ("prefill", "prefill", self.spec.prefill),
+                ("decode", "decode", self.spec.decode),
+            ]
+            workers = [
+                self._spawn(
+                    f"{prefix}-{i}", "services.decode", self.worker_args(f"{prefix}-{i}", role)
+                )
+                for prefix, role, count in roles
+                for i in range(count)
+            ]
+            gateway = self._spawn(
+                "gateway",
+                "services.gateway",
+                [
+                    "--model",
+                    self.spec.model,
+                    "--host",
+                    self.spec.host,
+                    "--port",
+                    str(self.spec.port),
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    "--scheduler",
+                    self.scheduler_address,
+                    *self.spec.gateway_argv,
+                ],
+            )
             self._wait([*workers, gateway], deadline)
             self._wait_healthy(deadline)
         except BaseException:

@@ -12,8 +12,12 @@ from yinian.mesh import Mesh, MeshSpec
 def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="run the whole mesh on this machine")
     p.add_argument("--model", help="model folder (default: a tiny model made on first use)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="colocated workers (default 1, or 0 with --prefill/--decode)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="colocated workers (default 1, or 0 with --prefill/--decode)",
+    )
     p.add_argument("--prefill", type=int, default=0, help="prefill workers")
     p.add_argument("--decode", type=int, default=0, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
@@ -41,10 +45,18 @@ def run_up(args) -> int:
         gateway_argv += ["--api-keys", args.api_keys]
     if args.allow_unauthenticated:
         gateway_argv.append("--allow-unauthenticated")
-    spec = MeshSpec(model=model, workers=workers, prefill=args.prefill, decode=args.decode,
-                    host=args.host, port=args.port, grpc_port=args.grpc_port,
-                    nats_url=args.nats_url, engine_argv=engine_argv(engine_options(args)),
-                    gateway_argv=gateway_argv)
+    spec = MeshSpec(
+        model=model,
+        workers=workers,
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        nats_url=args.nats_url,
+        engine_argv=engine_argv(engine_options(args)),
+        gateway_argv=gateway_argv,
+    )
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -53,7 +65,8 @@ def run_up(args) -> int:
     mesh.start()
     try:
         name = mesh.spec.model.rstrip("/").split("/")[-1]
-        print(f"""
+        print(
+            f"""
 yinian is ready.
   REST (OpenAI):  {mesh.url}/v1        health: {mesh.url}/health   metrics: {mesh.url}/metrics
   gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
@@ -63,7 +76,9 @@ yinian is ready.
   curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'
 
-Ctrl-C stops everything.""", flush=True)
+Ctrl-C stops everything.""",
+            flush=True,
+        )
         while not stop.wait(0.5):
             dead = [c.name for c in mesh.children if c.proc.poll() is not None]
             if dead:

@@ -13,7 +13,17 @@ class TritonAttentionBackend:
 
     def attend(self, q, k, v, cache, meta, scale):
         if meta.decode_only:
-            return decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale,
-                                    meta.max_seq_len)
-        return extend_attention(q, k, v, cache, meta.block_tables, meta.query_start_loc,
-                                meta.seq_lens, meta.max_query_len, scale)
+            return decode_attention(
+                q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
+            )
+        return extend_attention(
+            q,
+            k,
+            v,
+            cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+        )

@@ -34,8 +34,12 @@ class EventBus:
 
     async def connect(self, timeout: float = 10.0) -> None:
         self.nc = await nats.connect(
-            self.url, name=self.name, connect_timeout=timeout, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5, error_cb=self._on_error,
+            self.url,
+            name=self.name,
+            connect_timeout=timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=self._on_error,
         )
 
     async def _on_error(self, exc: Exception) -> None:

@@ -17,10 +17,18 @@ _FINISH_NAMES = {v: k for k, v in _FINISH.items()}
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
-        n=p.n, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        n=p.n,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop=p.stop,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
     )
@@ -43,9 +51,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         min_p=msg.min_p,
-        repetition_penalty=(
-            msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
-        ),
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0),
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,

@@ -77,11 +77,14 @@ class GrpcServer:
     def __init__(self, host: str, port: int):
         self.server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor()],
-            options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                     ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+            options=[
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ],
         )
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
-            health.HealthServicer()
+        self.health = (
+            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -96,8 +99,11 @@ class GrpcServer:
         await self.server.start()
 
     async def serving(self, ready: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if ready
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ["", *self.service_names]:
             result = self.health.set(name, status)
             if hasattr(result, "__await__"):

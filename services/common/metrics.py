@@ -6,27 +6,54 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 # Engine-side (workers)
-NUM_REQUESTS_RUNNING = Gauge("yinian:num_requests_running",
-                             "Requests in the engine's running batch", ["worker"])
-NUM_REQUESTS_WAITING = Gauge("yinian:num_requests_waiting",
-                             "Requests waiting for the engine", ["worker"])
+NUM_REQUESTS_RUNNING = Gauge(
+    "yinian:num_requests_running", "Requests in the engine's running batch", ["worker"]
+)
+NUM_REQUESTS_WAITING = Gauge(
+    "yinian:num_requests_waiting", "Requests waiting for the engine", ["worker"]
+)
 KV_CACHE_USAGE = Gauge("yinian:kv_cache_usage_ratio", "Fraction of KV blocks in use", ["worker"])
-PREFIX_CACHE_HIT = Gauge("yinian:prefix_cache_hit_ratio",
-                         "Prompt tokens served from the prefix cache / prompt tokens", ["worker"])
+PREFIX_CACHE_HIT = Gauge(
+    "yinian:prefix_cache_hit_ratio",
+    "Prompt tokens served from the prefix cache / prompt tokens",
+    ["worker"],
+)
 WORKER_REQUESTS = Counter("yinian:worker_requests", "Requests a worker has taken", ["worker"])
 NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"])
 
 # Request-side (gateway)
-TTFT = Histogram("yinian:time_to_first_token_seconds", "Time to first token",
-                 buckets=_LATENCY_BUCKETS)
-ITL = Histogram("yinian:inter_token_latency_seconds", "Time between streamed tokens",
-                buckets=_LATENCY_BUCKETS)
-E2E = Histogram("yinian:e2e_request_latency_seconds", "Request latency end to end",
-                buckets=_LATENCY_BUCKETS)
+TTFT = Histogram(
+    "yinian:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS
+)
+ITL = Histogram(
+    "yinian:inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS
+)
+E2E = Histogram(
+    "yinian:e2e_request_latency_seconds", "Request latency end to end", buckets=_LATENCY_BUCKETS
+)
 REQUESTS = Counter("yinian:request_total", "Finished requests", ["finish_reason"])
 PROMPT_TOKENS = Counter("yinian:prompt_tokens_total", "Prompt tokens")
 GENERATION_TOKENS = Counter("yinian:generation_tokens_total", "Generated tokens")

@@ -42,15 +42,17 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f} s")
 
 
-def start_nats(port: int | None = None, jetstream: bool = False, store_dir: str | None = None
-               ) -> tuple[subprocess.Popen, str]:
+def start_nats(
+    port: int | None = None, jetstream: bool = False, store_dir: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """Starts a private nats-server on loopback; returns (process, url)."""
     port = port or free_port()
     cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
     if jetstream:
         cmd += ["-js"] + (["-sd", store_dir] if store_dir else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     wait_for_port("127.0.0.1", port, timeout=10)
     return proc, f"nats://127.0.0.1:{port}"
 

@@ -16,21 +16,40 @@ def epoch_ns(monotonic_seconds: float) -> int:
     return _EPOCH_OFFSET_NS + int(monotonic_seconds * 1e9)
 
 
-def stage_span(tracer: trace.Tracer, name: str, parent: trace.Span, start: float | None,
-               end: float | None, **attributes) -> None:
+def stage_span(
+    tracer: trace.Tracer,
+    name: str,
+    parent: trace.Span,
+    start: float | None,
+    end: float | None,
+    **attributes,
+) -> None:
     """Records a finished child span of `parent` between two monotonic times."""
     if start is None or end is None or end < start:
         return
     ctx = trace.set_span_in_context(parent)
-    span = tracer.start_span(name, context=ctx, start_time=epoch_ns(start),
-                             attributes={k: v for k, v in attributes.items() if v is not None})
+    span = tracer.start_span(
+        name,
+        context=ctx,
+        start_time=epoch_ns(start),
+        attributes={k: v for k, v in attributes.items() if v is not None},
+    )
     span.end(end_time=epoch_ns(end))
 
 
-def request_attributes(request_id: str, tenant: str = "", model: str = "",
-                       prompt_tokens: int | None = None, max_tokens: int | None = None) -> dict:
-    attrs = {"yinian.request_id": request_id, "yinian.tenant": tenant,
-             "gen_ai.request.model": model, "gen_ai.operation.name": "text_completion"}
+def request_attributes(
+    request_id: str,
+    tenant: str = "",
+    model: str = "",
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+) -> dict:
+    attrs = {
+        "yinian.request_id": request_id,
+        "yinian.tenant": tenant,
+        "gen_ai.request.model": model,
+        "gen_ai.operation.name": "text_completion",
+    }
     if prompt_tokens is not None:
         attrs["gen_ai.usage.input_tokens"] = prompt_tokens
     if max_tokens is not None:

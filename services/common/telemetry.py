@@ -22,8 +22,10 @@ def tracing_enabled() -> bool:
         return False
     if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
         return False
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
 def setup_tracing(service_name: str) -> bool:
@@ -35,8 +37,9 @@ def setup_tracing(service_name: str) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                              os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    )
     if protocol.startswith("http"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:

@@ -11,8 +11,9 @@ from services.decode.service import run_worker
 
 
 def main(argv: list[str] | None = None, role: str = "colocated") -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config = parse(argv, role=role)
     try:
         import uvloop

@@ -37,8 +37,9 @@ class WorkerConfig:
 def parse(argv: list[str] | None = None, role: str = "colocated") -> WorkerConfig:
     env = os.environ.get
     parser = argparse.ArgumentParser(description="yinian worker")
-    parser.add_argument("--model", default=env("YINIAN_MODEL"), required=env("YINIAN_MODEL")
-                        is None)
+    parser.add_argument(
+        "--model", default=env("YINIAN_MODEL"), required=env("YINIAN_MODEL") is None
+    )
     parser.add_argument("--role", default=env("YINIAN_ROLE", role), choices=ROLES)
     parser.add_argument("--host", default=env("YINIAN_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("YINIAN_PORT", "0")))
@@ -51,8 +52,15 @@ def parse(argv: list[str] | None = None, role: str = "colocated") -> WorkerConfi
     add_engine_args(parser)
     args = parser.parse_args(argv)
     return WorkerConfig(
-        model=args.model, role=args.role, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, worker_id=args.worker_id,
-        scheduler=args.scheduler, nats_url=args.nats_url, metrics_port=args.metrics_port,
-        load_interval=args.load_interval, engine_options=engine_options(args),
+        model=args.model,
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        worker_id=args.worker_id,
+        scheduler=args.scheduler,
+        nats_url=args.nats_url,
+        metrics_port=args.metrics_port,
+        load_interval=args.load_interval,
+        engine_options=engine_options(args),
     )

@@ -18,15 +18,22 @@ _tracer = tracer("yinian.worker")
 
 def delta_to_chunk(request_id: str, delta: TokenDelta) -> worker_pb2.GenerateChunk:
     chunk = worker_pb2.GenerateChunk(
-        request_id=request_id, index=delta.index, token_ids=delta.token_ids,
-        finish_reason=finish_to_proto(delta.finish_reason), stop_reason=delta.stop_reason,
-        prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens, error=delta.error,
+        request_id=request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        finish_reason=finish_to_proto(delta.finish_reason),
+        stop_reason=delta.stop_reason,
+        prompt_tokens=delta.prompt_tokens,
+        cached_tokens=delta.cached_tokens,
+        error=delta.error,
     )
     for chosen, logprob, rank, top in delta.logprobs or ():
-        chunk.logprobs.append(common_pb2.PositionLogprobs(
-            chosen=common_pb2.TokenLogprob(token_id=chosen, logprob=logprob, rank=rank),
-            top=[common_pb2.TokenLogprob(token_id=t, logprob=lp, rank=r) for t, lp, r in top],
-        ))
+        chunk.logprobs.append(
+            common_pb2.PositionLogprobs(
+                chosen=common_pb2.TokenLogprob(token_id=chosen, logprob=logprob, rank=rank),
+                top=[common_pb2.TokenLogprob(token_id=t, logprob=lp, rank=r) for t, lp, r in top],
+            )
+        )
     return chunk
 
 
@@ -38,31 +45,54 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params = params_from_proto(request.params)
         parent = context_from_grpc(context)
         span = _tracer.start_span(
-            "worker.generate", context=parent, kind=trace.SpanKind.SERVER,
-            attributes=request_attributes(request.request_id, request.tenant,
-                                          prompt_tokens=len(request.prompt_token_ids),
-                                          max_tokens=params.max_tokens)
-            | {"yinian.worker_id": self.core.worker_id,
-               "yinian.resumed_tokens": len(request.resume_token_ids)},
+            "worker.generate",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            attributes=request_attributes(
+                request.request_id,
+                request.tenant,
+                prompt_tokens=len(request.prompt_token_ids),
+                max_tokens=params.max_tokens,
+            )
+            | {
+                "yinian.worker_id": self.core.worker_id,
+                "yinian.resumed_tokens": len(request.resume_token_ids),
+            },
         )
         timing = RequestTiming(arrival=time.monotonic())
         metrics.WORKER_REQUESTS.labels(worker=self.core.worker_id).inc()
         finish = None
         try:
             async for delta in self.core.generate(
-                request.request_id, list(request.prompt_token_ids), params,
-                tenant=request.tenant, priority=request.priority,
-                resume_token_ids=list(request.resume_token_ids), timing=timing,
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                tenant=request.tenant,
+                priority=request.priority,
+                resume_token_ids=list(request.resume_token_ids),
+                timing=timing,
             ):
                 finish = delta.finish_reason or finish
                 yield delta_to_chunk(request.request_id, delta)
         finally:
             end = timing.finished or time.monotonic()
             stage_span(_tracer, "queue", span, timing.arrival, timing.first_scheduled)
-            stage_span(_tracer, "prefill", span, timing.first_scheduled, timing.first_token,
-                       **{"yinian.cached_tokens": timing.cached_tokens})
-            stage_span(_tracer, "decode", span, timing.first_token, end,
-                       **{"gen_ai.usage.output_tokens": timing.output_tokens})
+            stage_span(
+                _tracer,
+                "prefill",
+                span,
+                timing.first_scheduled,
+                timing.first_token,
+                **{"yinian.cached_tokens": timing.cached_tokens},
+            )
+            stage_span(
+                _tracer,
+                "decode",
+                span,
+                timing.first_token,
+                end,
+                **{"gen_ai.usage.output_tokens": timing.output_tokens},
+            )
             span.set_attribute("yinian.cached_tokens", timing.cached_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", timing.output_tokens)
             if finish:
@@ -75,5 +105,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context):
         load = self.core.load()
-        return common_pb2.LoadReport(**{k: v for k, v in load.items()
-                                        if k in common_pb2.LoadReport.DESCRIPTOR.fields_by_name})
+        return common_pb2.LoadReport(
+            **{
+                k: v
+                for k, v in load.items()
+                if k in common_pb2.LoadReport.DESCRIPTOR.fields_by_name
+            }
+        )

@@ -76,32 +76,31 @@ class WorkerCore:
             if params.max_tokens is not None:
                 if len(resume) >= params.max_tokens:
                     raise ValueError("nothing left to generate after the resumed tokens")
-                params = params.clone(max_tokens=params.max_tokens - len(resume),
-                                      min_tokens=max(0, params.min_tokens - len(resume)))
-        sent = [0] * params.n
-        async for out in self.engine.generate(prompt_ids + resume, params, request_id,
-                                              priority=priority, namespace=tenant):
+                params = params.clone(
+                    max_tokens=params.max_tokens - len(resume),
+                    min_tokens=max(0, params.min_tokens - len(resume)),
+                )
+        async for out in self.engine.generate(
+            prompt_ids + resume, params, request_id, priority=priority, namespace=tenant, delta=True
+        ):
             if timing is not None:
                 _record(timing, out)
             for completion in out.outputs:
-                i = completion.index
-                new = completion.token_ids[sent[i]:]
-                if not new and completion.finish_reason is None:
+                if not completion.token_ids and completion.finish_reason is None:
                     continue
                 logprobs = None
                 if completion.logprobs is not None:
                     logprobs = [
-                        _position(completion.logprobs[j], completion.token_ids[j],
-                                  params.logprobs or 0)
-                        for j in range(sent[i], len(completion.token_ids))
+                        _position(entry, token, params.logprobs or 0)
+                        for entry, token in zip(completion.logprobs, completion.token_ids)
                     ]
-                sent[i] = len(completion.token_ids)
                 yield TokenDelta(
-                    index=i,
-                    token_ids=new,
+                    index=completion.index,
+                    token_ids=completion.token_ids,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
-                    stop_reason="" if completion.stop_reason is None
+                    stop_reason=""
+                    if completion.stop_reason is None
                     else str(completion.stop_reason),
                     prompt_tokens=len(prompt_ids),
                     cached_tokens=out.num_cached_tokens,
@@ -138,8 +137,10 @@ class WorkerCore:
 def _position(entry: dict, chosen: int, top_n: int):
     """(chosen id, its logprob, its rank, [(id, logprob, rank) of the top-N by rank])."""
     lp = entry[chosen]
-    top = sorted(((tid, v.logprob, v.rank) for tid, v in entry.items() if v.rank <= top_n),
-                 key=lambda t: t[2])
+    top = sorted(
+        ((tid, v.logprob, v.rank) for tid, v in entry.items() if v.rank <= top_n),
+        key=lambda t: t[2],
+    )
     return (chosen, lp.logprob, lp.rank, top)
 
 
@@ -150,6 +151,6 @@ def _record(timing: RequestTiming, out: RequestOutput) -> None:
     timing.first_scheduled = m.first_scheduled_time
     timing.first_token = m.first_token_time
     timing.finished = m.finished_time
-    timing.output_tokens = sum(len(c.token_ids) for c in out.outputs)
+    timing.output_tokens += sum(len(c.token_ids) for c in out.outputs)  # delta outputs
     timing.cached_tokens = out.num_cached_tokens
     timing.prompt_tokens = len(out.prompt_token_ids)

@@ -70,4 +70,5 @@ def check_listen_address(host: str, auth: Authenticator, allow_unauthenticated: 
     if not auth.enabled and not is_loopback(host) and not allow_unauthenticated:
         raise SystemExit(
             f"refusing to listen on {host} without API keys; give --api-keys (or "
-            "YINIAN_API_KEYS), or pass --allow-unauthenticated")
+            "YINIAN_API_KEYS), or pass --allow-unauthenticated"
+        )

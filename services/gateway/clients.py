@@ -11,8 +11,7 @@ from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worke
 from services.common.errors import DeadlineExceeded, from_grpc_error
 from services.common.telemetry import grpc_metadata
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.enable_retries", 0)]
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.enable_retries", 0)]
 
 
 class SchedulerClient:
@@ -21,14 +20,26 @@ class SchedulerClient:
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.timeout = timeout
 
-    async def place(self, request_id: str, prompt_tokens: int, block_hashes: list[int],
-                    tenant: str, exclude: list[str]) -> scheduler_pb2.Placement:
+    async def place(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        block_hashes: list[int],
+        tenant: str,
+        exclude: list[str],
+    ) -> scheduler_pb2.Placement:
         try:
             return await self.stub.Place(
-                scheduler_pb2.PlaceRequest(request_id=request_id, prompt_tokens=prompt_tokens,
-                                           block_hashes=block_hashes, tenant=tenant,
-                                           exclude_workers=exclude),
-                timeout=self.timeout, metadata=grpc_metadata())
+                scheduler_pb2.PlaceRequest(
+                    request_id=request_id,
+                    prompt_tokens=prompt_tokens,
+                    block_hashes=block_hashes,
+                    tenant=tenant,
+                    exclude_workers=exclude,
+                ),
+                timeout=self.timeout,
+                metadata=grpc_metadata(),
+            )
         except grpc.RpcError as exc:
             raise from_grpc_error(exc) from exc
 
@@ -56,8 +67,9 @@ class WorkerPool:
             self._channels[address] = channel
         return worker_pb2_grpc.WorkerStub(channel)
 
-    async def generate(self, address: str, request: worker_pb2.GenerateRequest,
-                       timeout: float, idle_timeout: float):
+    async def generate(
+        self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
+    ):
         """Streams the worker's chunks. A broken or silent worker becomes a
         WorkerUnavailable / DeadlineExceeded; leaving early cancels the call,
         which aborts the request on the worker."""
@@ -68,7 +80,8 @@ class WorkerPool:
                     chunk = await asyncio.wait_for(call.read(), timeout=idle_timeout)
                 except asyncio.TimeoutError as exc:
                     raise DeadlineExceeded(
-                        f"worker {address} sent nothing for {idle_timeout:.0f} s") from exc
+                        f"worker {address} sent nothing for {idle_timeout:.0f} s"
+                    ) from exc
                 except grpc.RpcError as exc:
                     raise from_grpc_error(exc) from exc
                 if chunk is grpc.aio.EOF:

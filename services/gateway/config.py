@@ -40,14 +40,28 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=int(env("YINIAN_PORT", "8000")))
     p.add_argument("--grpc-port", type=int, default=int(env("YINIAN_GRPC_PORT", "50051")))
     p.add_argument("--scheduler", default=env("YINIAN_SCHEDULER", "127.0.0.1:50052"))
-    p.add_argument("--api-keys", default=env("YINIAN_API_KEYS_FILE"),
-                   help="file of API keys ('key tenant' per line, or JSON {key: tenant})")
+    p.add_argument(
+        "--api-keys",
+        default=env("YINIAN_API_KEYS_FILE"),
+        help="file of API keys ('key tenant' per line, or JSON {key: tenant})",
+    )
     p.add_argument("--allow-unauthenticated", action="store_true")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--idle-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
-    return GatewayConfig(a.model, a.served_model_name, a.host, a.port, a.grpc_port, a.scheduler,
-                         a.api_keys, a.allow_unauthenticated, a.max_model_len, a.block_size,
-                         a.request_timeout, a.idle_timeout)
+    return GatewayConfig(
+        a.model,
+        a.served_model_name,
+        a.host,
+        a.port,
+        a.grpc_port,
+        a.scheduler,
+        a.api_keys,
+        a.allow_unauthenticated,
+        a.max_model_len,
+        a.block_size,
+        a.request_timeout,
+        a.idle_timeout,
+    )

@@ -76,9 +76,16 @@ class _Choice:
 
 
 class Frontend:
-    def __init__(self, tokenizer, scheduler, workers, block_size: int = 16,
-                 request_timeout: float = 600.0, idle_timeout: float = 120.0,
-                 max_placement_attempts: int = 3):
+    def __init__(
+        self,
+        tokenizer,
+        scheduler,
+        workers,
+        block_size: int = 16,
+        request_timeout: float = 600.0,
+        idle_timeout: float = 120.0,
+        max_placement_attempts: int = 3,
+    ):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.workers = workers
@@ -94,15 +101,20 @@ class Frontend:
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
         worker_params = params.clone(stop=[], include_stop_str_in_output=False)
         request = worker_pb2.GenerateRequest(
-            request_id=prep.request_id, prompt_token_ids=prep.prompt_ids,
-            params=params_to_proto(worker_params), tenant=prep.tenant, priority=prep.priority)
+            request_id=prep.request_id,
+            prompt_token_ids=prep.prompt_ids,
+            params=params_to_proto(worker_params),
+            tenant=prep.tenant,
+            priority=prep.priority,
+        )
         hashes = hash_prompt_blocks(prep.prompt_ids, self.block_size, prep.tenant)
         excluded: list[str] = []
         started = False
         while True:
             with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
                 placement = await self.scheduler.place(
-                    prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded)
+                    prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded
+                )
                 span.set_attribute("yinian.worker_id", placement.worker_id)
                 span.set_attribute("yinian.matched_blocks", placement.matched_blocks)
             stats.worker_id = placement.worker_id
@@ -114,26 +126,33 @@ class Frontend:
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 excluded.append(placement.worker_id)
                 if started or len(excluded) >= self.max_placement_attempts:
-                    raise WorkerUnavailable(
-                        f"worker {placement.worker_id} failed: {exc}") from exc
-                logger.warning("worker %s failed before answering (%s); placing again",
-                               placement.worker_id, exc)
+                    raise WorkerUnavailable(f"worker {placement.worker_id} failed: {exc}") from exc
+                logger.warning(
+                    "worker %s failed before answering (%s); placing again",
+                    placement.worker_id,
+                    exc,
+                )
 
     async def _stream(self, placement, request, choices: list[_Choice], stats: RunStats):
-        span = _tracer.start_span("worker.stream", kind=trace.SpanKind.CLIENT,
-                                  attributes={"yinian.worker_id": placement.worker_id})
+        span = _tracer.start_span(
+            "worker.stream",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"yinian.worker_id": placement.worker_id},
+        )
         detok_span = None
         try:
             with trace.use_span(span, end_on_exit=False):
-                chunks = self.workers.generate(placement.address, request,
-                                               self.request_timeout, self.idle_timeout)
+                chunks = self.workers.generate(
+                    placement.address, request, self.request_timeout, self.idle_timeout
+                )
                 async for chunk in chunks:
                     if chunk.error:
                         raise WorkerUnavailable(chunk.error)
                     if detok_span is None and chunk.token_ids:
                         stats.first_token_time = time.monotonic()
                         detok_span = _tracer.start_span(
-                            "detokenize", context=trace.set_span_in_context(span))
+                            "detokenize", context=trace.set_span_in_context(span)
+                        )
                     stats.cached_tokens = max(stats.cached_tokens, chunk.cached_tokens)
                     event = self._apply(chunk, choices[chunk.index], stats)
                     if event is not None:
@@ -168,7 +187,7 @@ class Frontend:
             stop_reason = int(stop_reason)
         choice.finished = finish is not None
         visible = choice.stream.visible(choice.finished)
-        text, choice.shown = visible[choice.shown:], len(visible)
+        text, choice.shown = visible[choice.shown :], len(visible)
         logprobs = None
         if params.logprobs is not None:
             logprobs = [self._token_info(p) for p in chunk.logprobs[: len(new_ids)]]

@@ -29,8 +29,9 @@ class ChoiceResult:
 
 
 class GatewayCore:
-    def __init__(self, model_name: str, model_dir: str, frontend: Frontend,
-                 max_model_len: int | None = None):
+    def __init__(
+        self, model_name: str, model_dir: str, frontend: Frontend, max_model_len: int | None = None
+    ):
         self.model_name = model_name
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -65,8 +66,15 @@ class GatewayCore:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    def prepare(self, prompt_ids: list[int], make_params, max_tokens: int | None, tenant: str,
-                priority: int = 0, prefix: str = "cmpl") -> Prepared:
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        make_params,
+        max_tokens: int | None,
+        tenant: str,
+        priority: int = 0,
+        prefix: str = "cmpl",
+    ) -> Prepared:
         """`make_params(max_tokens)` builds the SamplingParams once max_tokens is known."""
         max_tokens = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         params: SamplingParams = make_params(max_tokens)
@@ -100,8 +108,10 @@ class GatewayCore:
             metrics.GATEWAY_IN_FLIGHT.dec()
 
     async def collect(self, prep: Prepared, stats: RunStats) -> list[ChoiceResult]:
-        results = [ChoiceResult(i, logprobs=[] if prep.params.logprobs is not None else None)
-                   for i in range(prep.params.n)]
+        results = [
+            ChoiceResult(i, logprobs=[] if prep.params.logprobs is not None else None)
+            for i in range(prep.params.n)
+        ]
         async for event in self.events(prep, stats):
             r = results[event.index]
             r.text += event.text

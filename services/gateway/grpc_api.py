@@ -18,16 +18,22 @@ _tracer = tracer("yinian.gateway")
 
 
 def _usage(stats: RunStats) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=stats.prompt_tokens,
-                            completion_tokens=stats.completion_tokens,
-                            cached_tokens=stats.cached_tokens)
+    return common_pb2.Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        cached_tokens=stats.cached_tokens,
+    )
 
 
 def _logprobs(infos: list[TokenInfo] | None) -> list[inference_pb2.TextLogprob]:
-    return [inference_pb2.TextLogprob(
-        token=i.token, logprob=i.logprob,
-        top=[inference_pb2.TextLogprob.Top(token=t, logprob=lp) for t, lp in i.top])
-        for i in infos or ()]
+    return [
+        inference_pb2.TextLogprob(
+            token=i.token,
+            logprob=i.logprob,
+            top=[inference_pb2.TextLogprob.Top(token=t, logprob=lp) for t, lp in i.top],
+        )
+        for i in infos or ()
+    ]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -43,8 +49,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = self._tenant(context)
         self.core.check_model(request.model)
         if chat:
-            prompt_ids = self.core.chat_prompt([{"role": m.role, "content": m.content}
-                                                for m in request.messages])
+            prompt_ids = self.core.chat_prompt(
+                [{"role": m.role, "content": m.content} for m in request.messages]
+            )
         else:
             which = request.WhichOneof("prompt")
             if which is None:
@@ -52,8 +59,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt = request.text if which == "text" else list(request.token_ids.ids)
             prompt_ids = self.core.tokenize(prompt)
         params = request.params
-        max_tokens = params.max_tokens if params.HasField("max_tokens") else (
-            None if chat else 16)
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else (None if chat else 16)
 
         def make(max_tokens_: int):
             msg = common_pb2.SamplingParams()
@@ -61,13 +67,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             msg.max_tokens = max_tokens_
             return params_from_proto(msg)
 
-        prep = self.core.prepare(prompt_ids, make, max_tokens, tenant, request.priority,
-                                 prefix="chatcmpl" if chat else "cmpl")
+        prep = self.core.prepare(
+            prompt_ids,
+            make,
+            max_tokens,
+            tenant,
+            request.priority,
+            prefix="chatcmpl" if chat else "cmpl",
+        )
         span = _tracer.start_as_current_span(
-            "Inference.Chat" if chat else "Inference.Complete", kind=trace.SpanKind.SERVER,
+            "Inference.Chat" if chat else "Inference.Complete",
+            kind=trace.SpanKind.SERVER,
             context=context_from_grpc(context),
-            attributes=request_attributes(prep.request_id, tenant, self.core.model_name,
-                                          len(prep.prompt_ids), prep.params.max_tokens))
+            attributes=request_attributes(
+                prep.request_id,
+                tenant,
+                self.core.model_name,
+                len(prep.prompt_ids),
+                prep.params.max_tokens,
+            ),
+        )
         return prep, span
 
     async def ListModels(self, request, context):
@@ -80,12 +99,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         with span:
             results = await self.core.collect(prep, stats)
         return inference_pb2.CompletionResponse(
-            id=prep.request_id, model=request.model, usage=_usage(stats),
-            choices=[inference_pb2.Choice(
-                index=r.index, text=r.text, token_ids=r.token_ids,
-                finish_reason=finish_to_proto(r.finish_reason),
-                stop_reason="" if r.stop_reason is None else str(r.stop_reason),
-                logprobs=_logprobs(r.logprobs)) for r in results])
+            id=prep.request_id,
+            model=request.model,
+            usage=_usage(stats),
+            choices=[
+                inference_pb2.Choice(
+                    index=r.index,
+                    text=r.text,
+                    token_ids=r.token_ids,
+                    finish_reason=finish_to_proto(r.finish_reason),
+                    stop_reason="" if r.stop_reason is None else str(r.stop_reason),
+                    logprobs=_logprobs(r.logprobs),
+                )
+                for r in results
+            ],
+        )
 
     async def _stream(self, request, context, chat: bool):
         prep, span = self._prepare(request, context, chat)
@@ -93,11 +121,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         with span:
             async for ev in self.core.events(prep, stats):
                 yield inference_pb2.CompletionChunk(
-                    id=prep.request_id, model=request.model, index=ev.index, text=ev.text,
-                    token_ids=ev.token_ids, finish_reason=finish_to_proto(ev.finish_reason),
-                    logprobs=_logprobs(ev.logprobs))
-        yield inference_pb2.CompletionChunk(id=prep.request_id, model=request.model,
-                                            usage=_usage(stats))
+                    id=prep.request_id,
+                    model=request.model,
+                    index=ev.index,
+                    text=ev.text,
+                    token_ids=ev.token_ids,
+                    finish_reason=finish_to_proto(ev.finish_reason),
+                    logprobs=_logprobs(ev.logprobs),
+                )
+        yield inference_pb2.CompletionChunk(
+            id=prep.request_id, model=request.model, usage=_usage(stats)
+        )
 
     async def Complete(self, request, context):
         return await self._unary(request, context, chat=False)

@@ -40,8 +40,11 @@ def error_response(exc: Exception) -> JSONResponse:
     headers = {}
     if hasattr(exc, "retry_after"):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    return JSONResponse(error_body(str(exc) or type(exc).__name__, err_type, status),
-                        status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(str(exc) or type(exc).__name__, err_type, status),
+        status_code=status,
+        headers=headers,
+    )
 
 
 async def parse(request: Request, model: type[BaseModel]):
@@ -92,8 +95,9 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
             task.cancel()
 
 
-def create_app(core: GatewayCore, auth: Authenticator,
-               health: Callable[[], Awaitable[bool]]) -> FastAPI:
+def create_app(
+    core: GatewayCore, auth: Authenticator, health: Callable[[], Awaitable[bool]]
+) -> FastAPI:
     app = FastAPI(title="yinian gateway")
 
     @app.exception_handler(Exception)
@@ -114,16 +118,24 @@ def create_app(core: GatewayCore, auth: Authenticator,
         # request's own attributes beneath it (or is the root without it).
         outer = trace.get_current_span().get_span_context().is_valid
         return _tracer.start_as_current_span(
-            "gateway.request", kind=trace.SpanKind.INTERNAL if outer else trace.SpanKind.SERVER,
-            attributes=request_attributes(prep.request_id, tenant, core.model_name,
-                                          len(prep.prompt_ids), prep.params.max_tokens)
-            | {"http.route": route})
+            "gateway.request",
+            kind=trace.SpanKind.INTERNAL if outer else trace.SpanKind.SERVER,
+            attributes=request_attributes(
+                prep.request_id,
+                tenant,
+                core.model_name,
+                len(prep.prompt_ids),
+                prep.params.max_tokens,
+            )
+            | {"http.route": route},
+        )
 
     @app.get("/health")
     async def _health():
         ready = await health()
-        return JSONResponse({"status": "ok" if ready else "unavailable"},
-                            status_code=200 if ready else 503)
+        return JSONResponse(
+            {"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503
+        )
 
     @app.get("/metrics")
     async def _metrics():
@@ -132,9 +144,17 @@ def create_app(core: GatewayCore, auth: Authenticator,
     @app.get("/v1/models")
     async def _models(request: Request):
         auth.tenant(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": core.model_name, "object": "model",
-                                            "owned_by": "yinian",
-                                            "max_model_len": core.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": core.model_name,
+                    "object": "model",
+                    "owned_by": "yinian",
+                    "max_model_len": core.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
@@ -146,20 +166,30 @@ def create_app(core: GatewayCore, auth: Authenticator,
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= 5:
             raise InvalidRequest("logprobs must be between 0 and 5")
-        preps = [core.prepare(core.tokenize(p), lambda m: req.sampling_params(m, logprobs),
-                              req.max_tokens, tenant, req.priority)
-                 for p in completion_prompts(req.prompt)]
+        preps = [
+            core.prepare(
+                core.tokenize(p),
+                lambda m: req.sampling_params(m, logprobs),
+                req.max_tokens,
+                tenant,
+                req.priority,
+            )
+            for p in completion_prompts(req.prompt)
+        ]
         request_id, n = preps[0].request_id, req.n
         if not req.stream:
+
             async def whole():
                 stats = [RunStats() for _ in preps]
                 with span_for("/v1/completions", preps[0], tenant):
-                    parts = await asyncio.gather(*(core.collect(p, s)
-                                                   for p, s in zip(preps, stats)))
+                    parts = await asyncio.gather(
+                        *(core.collect(p, s) for p, s in zip(preps, stats))
+                    )
                 results = [r for i, part in enumerate(parts) for r in part]
                 for i, r in enumerate(results):
                     r.index = i
                 return fmt.completion_response(request_id, req.model, results, stats)
+
             return await run_guarded(request, whole())
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -169,16 +199,25 @@ def create_app(core: GatewayCore, auth: Authenticator,
             offsets: dict[int, int] = {}
             with span_for("/v1/completions", preps[0], tenant):
                 try:
-                    async for which, ev in merge([core.events(p, s)
-                                                  for p, s in zip(preps, stats)]):
+                    async for which, ev in merge([core.events(p, s) for p, s in zip(preps, stats)]):
                         index = which * n + ev.index
-                        yield fmt.sse(fmt.completion_chunk(
-                            request_id, req.model, index, ev.text, ev.finish_reason,
-                            ev.logprobs, ev.stop_reason, offsets.get(index, 0)))
+                        yield fmt.sse(
+                            fmt.completion_chunk(
+                                request_id,
+                                req.model,
+                                index,
+                                ev.text,
+                                ev.finish_reason,
+                                ev.logprobs,
+                                ev.stop_reason,
+                                offsets.get(index, 0),
+                            )
+                        )
                         offsets[index] = offsets.get(index, 0) + len(ev.text)
                     if include_usage:
-                        yield fmt.sse(fmt.usage_chunk(request_id, req.model, "text_completion",
-                                                      stats))
+                        yield fmt.sse(
+                            fmt.usage_chunk(request_id, req.model, "text_completion", stats)
+                        )
                 except Exception as exc:  # the stream already began: report in-band
                     status, err_type = http_status_of(exc)
                     yield fmt.sse(error_body(str(exc), err_type, status))
@@ -195,17 +234,24 @@ def create_app(core: GatewayCore, auth: Authenticator,
         if top is not None and not 0 <= top <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20")
         logprobs = (top or 0) if req.logprobs else None
-        prompt_ids = core.chat_prompt([{"role": m.role, "content": m.text()}
-                                       for m in req.messages])
+        prompt_ids = core.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
         max_tokens = req.max_completion_tokens or req.max_tokens
-        prep = core.prepare(prompt_ids, lambda m: req.sampling_params(m, logprobs), max_tokens,
-                            tenant, req.priority, prefix="chatcmpl")
+        prep = core.prepare(
+            prompt_ids,
+            lambda m: req.sampling_params(m, logprobs),
+            max_tokens,
+            tenant,
+            req.priority,
+            prefix="chatcmpl",
+        )
         if not req.stream:
+
             async def whole():
                 stats = RunStats()
                 with span_for("/v1/chat/completions", prep, tenant):
                     results = await core.collect(prep, stats)
                 return fmt.chat_response(prep.request_id, req.model, results, [stats])
+
             return await run_guarded(request, whole())
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -214,18 +260,35 @@ def create_app(core: GatewayCore, auth: Authenticator,
             stats = RunStats()
             with span_for("/v1/chat/completions", prep, tenant):
                 for i in range(req.n):
-                    yield fmt.sse(fmt.chat_chunk(prep.request_id, req.model, i,
-                                                 {"role": "assistant", "content": ""}, None))
+                    yield fmt.sse(
+                        fmt.chat_chunk(
+                            prep.request_id,
+                            req.model,
+                            i,
+                            {"role": "assistant", "content": ""},
+                            None,
+                        )
+                    )
                 try:
                     async for ev in core.events(prep, stats):
-                        delta = {"content": ev.text} if ev.text or ev.finish_reason is None \
-                            else {}
-                        yield fmt.sse(fmt.chat_chunk(prep.request_id, req.model, ev.index,
-                                                     delta, ev.finish_reason, ev.logprobs,
-                                                     ev.stop_reason))
+                        delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                        yield fmt.sse(
+                            fmt.chat_chunk(
+                                prep.request_id,
+                                req.model,
+                                ev.index,
+                                delta,
+                                ev.finish_reason,
+                                ev.logprobs,
+                                ev.stop_reason,
+                            )
+                        )
                     if include_usage:
-                        yield fmt.sse(fmt.usage_chunk(prep.request_id, req.model,
-                                                      "chat.completion.chunk", [stats]))
+                        yield fmt.sse(
+                            fmt.usage_chunk(
+                                prep.request_id, req.model, "chat.completion.chunk", [stats]
+                            )
+                        )
                 except Exception as exc:
                     status, err_type = http_status_of(exc)
                     yield fmt.sse(error_body(str(exc), err_type, status))

@@ -51,15 +51,22 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                n=self.n,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
                 presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
-                stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as exc:
@@ -109,7 +116,8 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
     if prompt_len >= max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens, which leaves no room for a completion.")
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion."
+        )
     if max_tokens is None:
         return max_model_len - prompt_len
     if isinstance(max_tokens, bool) or max_tokens < 1:
@@ -118,7 +126,8 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
+        )
     return max_tokens
 
 
@@ -133,6 +142,7 @@ def completion_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def error_body(message: str, err_type: str, code: int | str | None = None,
-               param: str | None = None) -> dict:
+def error_body(
+    message: str, err_type: str, code: int | str | None = None, param: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

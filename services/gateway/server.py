@@ -48,17 +48,33 @@ async def run_gateway(config: GatewayConfig) -> None:
     scheduler = SchedulerClient(config.scheduler)
     workers = WorkerPool()
     core = GatewayCore(config.served_model_name, config.model, None, config.max_model_len)
-    core.frontend = Frontend(core.tokenizer, scheduler, workers, config.block_size,
-                             config.request_timeout, config.idle_timeout)
+    core.frontend = Frontend(
+        core.tokenizer,
+        scheduler,
+        workers,
+        config.block_size,
+        config.request_timeout,
+        config.idle_timeout,
+    )
     health = HealthProbe(scheduler)
     app = create_app(core, auth, health)
     grpc_server = GrpcServer(config.host, config.grpc_port)
-    grpc_server.add(inference_pb2_grpc.add_InferenceServicer_to_server,
-                    InferenceServicer(core, auth), ["yinian.v1.Inference"])
+    grpc_server.add(
+        inference_pb2_grpc.add_InferenceServicer_to_server,
+        InferenceServicer(core, auth),
+        ["yinian.v1.Inference"],
+    )
     await grpc_server.start()
     await grpc_server.serving(True)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               loop="none", lifespan="off", timeout_graceful_shutdown=2)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        loop="none",
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(uv_config)
     server.install_signal_handlers = lambda: None  # we handle signals below
     serve_task = asyncio.create_task(server.serve())
@@ -66,14 +82,17 @@ async def run_gateway(config: GatewayConfig) -> None:
         if serve_task.done():
             serve_task.result()
         await asyncio.sleep(0.02)
-    print(f"READY gateway http://{config.host}:{config.port} grpc {config.host}:"
-          f"{grpc_server.port}", flush=True)
+    print(
+        f"READY gateway http://{config.host}:{config.port} grpc {config.host}:{grpc_server.port}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await asyncio.wait({serve_task, asyncio.create_task(stop.wait())},
-                       return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(
+        {serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
     server.should_exit = True
     await grpc_server.serving(False)
     await grpc_server.stop(grace=1.0)

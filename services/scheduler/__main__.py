@@ -25,24 +25,34 @@ async def run(config: SchedulerConfig) -> None:
     setup_tracing("yinian-scheduler")
     registry = Registry(config.heartbeat_timeout)
     index = KvIndex()
-    servicer = SchedulerServicer(registry, index, PlacementPolicy(max_waiting=config.max_waiting),
-                                 heartbeat_interval=config.heartbeat_timeout / 4)
+    servicer = SchedulerServicer(
+        registry,
+        index,
+        PlacementPolicy(max_waiting=config.max_waiting),
+        heartbeat_interval=config.heartbeat_timeout / 4,
+    )
     server = GrpcServer(config.host, config.port)
-    server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer,
-               ["yinian.v1.Scheduler"])
+    server.add(
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, ["yinian.v1.Scheduler"]
+    )
     await server.start()
     metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, "scheduler")
     await bus.connect()
 
     def on_load(report: common_pb2.LoadReport, headers) -> None:
-        registry.on_load(report.worker_id, report.num_requests_running,
-                         report.num_requests_waiting, report.kv_cache_usage)
+        registry.on_load(
+            report.worker_id,
+            report.num_requests_running,
+            report.num_requests_waiting,
+            report.kv_cache_usage,
+        )
 
     def on_kv(events: common_pb2.KvEvents, headers) -> None:
         if events.worker_id in registry.workers:
-            index.apply(events.worker_id, events.event_id, events.stored, events.removed,
-                        events.reset)
+            index.apply(
+                events.worker_id, events.event_id, events.stored, events.removed, events.reset
+            )
 
     await bus.subscribe(load_subject(), common_pb2.LoadReport, on_load)
     await bus.subscribe(kv_subject(), common_pb2.KvEvents, on_kv)
@@ -56,8 +66,9 @@ async def run(config: SchedulerConfig) -> None:
     while not stop.is_set():
         for gone in registry.expire():
             index.forget(gone.worker_id)
-            logger.warning("dropped %s: no heartbeat for %.1f s", gone.worker_id,
-                           config.heartbeat_timeout)
+            logger.warning(
+                "dropped %s: no heartbeat for %.1f s", gone.worker_id, config.heartbeat_timeout
+            )
         for role in ("colocated", "prefill", "decode"):
             metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))
         try:
@@ -71,8 +82,9 @@ async def run(config: SchedulerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config = parse(argv)
     try:
         import uvloop

@@ -29,12 +29,21 @@ def parse(argv: list[str] | None = None) -> SchedulerConfig:
     parser.add_argument("--host", default=env("YINIAN_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("YINIAN_SCHEDULER_PORT", "50052")))
     parser.add_argument("--nats-url", default=env("YINIAN_NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
-                        help="seconds without a load report before a worker is dropped")
-    parser.add_argument("--max-waiting", type=int, default=None,
-                        help="requests a worker may queue beyond max_num_seqs before it counts "
-                             "as saturated (default: max_num_seqs)")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=2.0,
+        help="seconds without a load report before a worker is dropped",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="requests a worker may queue beyond max_num_seqs before it counts "
+        "as saturated (default: max_num_seqs)",
+    )
     parser.add_argument("--metrics-port", type=int, default=int(env("YINIAN_METRICS_PORT", "0")))
     a = parser.parse_args(argv)
-    return SchedulerConfig(a.host, a.port, a.nats_url, a.heartbeat_timeout, a.max_waiting,
-                           a.metrics_port)
+    return SchedulerConfig(
+        a.host, a.port, a.nats_url, a.heartbeat_timeout, a.max_waiting, a.metrics_port
+    )

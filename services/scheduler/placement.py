@@ -28,8 +28,14 @@ class Decision:
     matched_blocks: int
 
 
-def place(registry: Registry, index: KvIndex, policy: PlacementPolicy, block_hashes,
-          exclude=(), roles=("colocated", "decode")) -> Decision:
+def place(
+    registry: Registry,
+    index: KvIndex,
+    policy: PlacementPolicy,
+    block_hashes,
+    exclude=(),
+    roles=("colocated", "decode"),
+) -> Decision:
     candidates = [w for w in registry.ready() if w.role in roles and w.worker_id not in exclude]
     if not candidates:
         raise WorkerUnavailable("no ready worker to serve the request")
@@ -42,8 +48,7 @@ def place(registry: Registry, index: KvIndex, policy: PlacementPolicy, block_has
         # A queued request costs about as much as recomputing ~a few blocks;
         # normalise load by capacity so workers of different sizes compare.
         load = w.load / policy.capacity(w)
-        return (policy.prefix_weight * hit_tokens / 256.0 - load - 0.25 * w.kv_usage,
-                -w.load)
+        return (policy.prefix_weight * hit_tokens / 256.0 - load - 0.25 * w.kv_usage, -w.load)
 
     best = max(open_, key=score)
     best.pending += 1

@@ -63,8 +63,11 @@ class Registry:
         return self.clock() - state.last_seen <= self.heartbeat_timeout
 
     def ready(self, role: str | None = None) -> list[WorkerState]:
-        return [w for w in self.workers.values()
-                if self.is_ready(w) and (role is None or w.role == role)]
+        return [
+            w
+            for w in self.workers.values()
+            if self.is_ready(w) and (role is None or w.role == role)
+        ]
 
     def expire(self) -> list[WorkerState]:
         """Drops workers that missed their heartbeats; returns them."""

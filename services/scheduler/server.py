@@ -18,8 +18,9 @@ _tracer = tracer("yinian.scheduler")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, registry: Registry, index: KvIndex, policy: PlacementPolicy,
-                 heartbeat_interval: float):
+    def __init__(
+        self, registry: Registry, index: KvIndex, policy: PlacementPolicy, heartbeat_interval: float
+    ):
         self.registry = registry
         self.index = index
         self.policy = policy
@@ -29,17 +30,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.worker_id or not request.address:
             raise ValueError("a worker needs a worker_id and an address")
         state = WorkerState(
-            worker_id=request.worker_id, address=request.address, role=request.role or
-            "colocated", block_size=request.block_size or 16,
-            max_num_seqs=request.max_num_seqs or 256, kv_blocks_total=request.kv_blocks_total,
-            host=request.host, transports=list(request.transports),
-            metrics_address=request.metrics_address, model=request.model,
+            worker_id=request.worker_id,
+            address=request.address,
+            role=request.role or "colocated",
+            block_size=request.block_size or 16,
+            max_num_seqs=request.max_num_seqs or 256,
+            kv_blocks_total=request.kv_blocks_total,
+            host=request.host,
+            transports=list(request.transports),
+            metrics_address=request.metrics_address,
+            model=request.model,
         )
         if self.registry.register(state):
             self.index.forget(state.worker_id)  # a restart: its old cache is gone
         logger.info("registered %s (%s) at %s", state.worker_id, state.role, state.address)
         return scheduler_pb2.RegisterResponse(
-            heartbeat_interval_seconds=self.heartbeat_interval, nats_subject_prefix="yinian")
+            heartbeat_interval_seconds=self.heartbeat_interval, nats_subject_prefix="yinian"
+        )
 
     async def Deregister(self, request, context):
         if self.registry.deregister(request.worker_id):
@@ -49,13 +56,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Place(self, request, context):
         with _tracer.start_as_current_span(
-            "scheduler.place", context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
-            attributes={"yinian.request_id": request.request_id,
-                        "gen_ai.usage.input_tokens": request.prompt_tokens},
+            "scheduler.place",
+            context=context_from_grpc(context),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "yinian.request_id": request.request_id,
+                "gen_ai.usage.input_tokens": request.prompt_tokens,
+            },
         ) as span:
             try:
-                decision = place(self.registry, self.index, self.policy,
-                                 list(request.block_hashes), exclude=set(request.exclude_workers))
+                decision = place(
+                    self.registry,
+                    self.index,
+                    self.policy,
+                    list(request.block_hashes),
+                    exclude=set(request.exclude_workers),
+                )
             except Exception as exc:
                 metrics.PLACEMENTS.labels(outcome=type(exc).__name__).inc()
                 span.set_attribute("yinian.placement_error", str(exc))
@@ -64,20 +80,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span.set_attribute("yinian.worker_id", decision.worker.worker_id)
             span.set_attribute("yinian.matched_blocks", decision.matched_blocks)
             return scheduler_pb2.Placement(
-                worker_id=decision.worker.worker_id, address=decision.worker.address,
-                matched_blocks=decision.matched_blocks)
+                worker_id=decision.worker.worker_id,
+                address=decision.worker.address,
+                matched_blocks=decision.matched_blocks,
+            )
 
     async def ListWorkers(self, request, context):
         out = scheduler_pb2.ListWorkersResponse()
         now = self.registry.clock()
         for w in self.registry.workers.values():
-            out.workers.append(scheduler_pb2.WorkerStatus(
-                info=scheduler_pb2.WorkerInfo(
-                    worker_id=w.worker_id, address=w.address, role=w.role, model=w.model,
-                    block_size=w.block_size, max_num_seqs=w.max_num_seqs,
-                    kv_blocks_total=w.kv_blocks_total, metrics_address=w.metrics_address,
-                    transports=w.transports, host=w.host),
-                ready=self.registry.is_ready(w), seconds_since_report=now - w.last_seen,
-                num_requests_running=w.running, num_requests_waiting=w.waiting,
-                kv_cache_usage=w.kv_usage))
+            out.workers.append(
+                scheduler_pb2.WorkerStatus(
+                    info=scheduler_pb2.WorkerInfo(
+                        worker_id=w.worker_id,
+                        address=w.address,
+                        role=w.role,
+                        model=w.model,
+                        block_size=w.block_size,
+                        max_num_seqs=w.max_num_seqs,
+                        kv_blocks_total=w.kv_blocks_total,
+                        metrics_address=w.metrics_address,
+                        transports=w.transports,
+                        host=w.host,
+                    ),
+                    ready=self.registry.is_ready(w),
+                    seconds_since_report=now - w.last_seen,
+                    num_requests_running=w.running,
+                    num_requests_waiting=w.waiting,
+                    kv_cache_usage=w.kv_usage,
+                )
+            )
         return out
