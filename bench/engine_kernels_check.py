@@ -49,12 +49,17 @@ def compare_greedy(ref_out, got_out) -> dict:
         entry = ref.logprobs[j]
         gap = abs(entry[a].logprob - entry[b].logprob) if b in entry else float("inf")
         return {"equal": False, "diverged_at": j, "logprob_gap": gap, "near_tie": gap <= 1e-2}
-    return {"equal": len(ref.token_ids) == len(got.token_ids), "diverged_at": None,
-            "logprob_gap": 0.0, "near_tie": False}
+    return {
+        "equal": len(ref.token_ids) == len(got.token_ids),
+        "diverged_at": None,
+        "logprob_gap": 0.0,
+        "near_tie": False,
+    }
 
 
-def check_model(folder, load_format: str, prompts: list[list[int]], max_tokens: int,
-                **options) -> dict:
+def check_model(
+    folder, load_format: str, prompts: list[list[int]], max_tokens: int, **options
+) -> dict:
     kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, **options)
     ref = LLM(folder, kernels="torch", enforce_eager=True, **kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
@@ -81,8 +86,14 @@ def check_model(folder, load_format: str, prompts: list[list[int]], max_tokens: 
         upto = g["diverged_at"] if g["diverged_at"] is not None else len(a.outputs[0].token_ids)
         for j in range(upto):
             t = a.outputs[0].token_ids[j]
-            lp_err = max(lp_err, abs(a.outputs[0].logprobs[j][t].logprob
-                                     - b.outputs[0].logprobs[j][t].logprob))
+            lp_err = max(
+                lp_err,
+                abs(a.outputs[0].logprobs[j][t].logprob - b.outputs[0].logprobs[j][t].logprob),
+            )
     ok = all(g["equal"] or g["near_tie"] for g in greedy) and max(errors) < 2e-2
-    return {"prompt_logits_rel_error": errors, "greedy": greedy,
-            "max_logprob_diff_before_divergence": lp_err, "passed": ok}
+    return {
+        "prompt_logits_rel_error": errors,
+        "greedy": greedy,
+        "max_logprob_diff_before_divergence": lp_err,
+        "passed": ok,
+    }

@@ -33,9 +33,11 @@ def roofline_step_s(config, ceilings: dict, batch: int, context: int) -> float:
     kv_per_token = 2 * config.num_key_value_heads * config.head_dim * 2 * config.num_hidden_layers
     bytes_moved = weight_bytes + batch * context * kv_per_token
     flops = 2 * config.num_parameters() * batch + batch * config.num_hidden_layers * (
-        4 * context * config.num_attention_heads * config.head_dim)
-    return max(bytes_moved / (ceilings["copy_gbps"] * 1e9),
-               flops / (ceilings["matmul_bf16_tflops"] * 1e12))
+        4 * context * config.num_attention_heads * config.head_dim
+    )
+    return max(
+        bytes_moved / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_bf16_tflops"] * 1e12)
+    )
 
 
 def engine_checks(tmp: Path) -> dict:
@@ -49,16 +51,24 @@ def engine_checks(tmp: Path) -> dict:
         out[preset] = check_model(folder, "auto", prompts, 24, max_num_seqs=16)
     folder = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
     prompts = [torch.randint(0, 120000, (n,), generator=g).tolist() for n in (1, 33, 500, 2000)]
-    out["llama3-8b"] = check_model(folder, "dummy", prompts, 24, max_num_seqs=16,
-                                   max_model_len=8192)
+    out["llama3-8b"] = check_model(
+        folder, "dummy", prompts, 24, max_num_seqs=16, max_model_len=8192
+    )
     return out
 
 
 def end_to_end(tmp: Path, ceilings: dict) -> dict:
     folder = write_model(tmp / "llama3-8b-e2e", preset_config("llama3-8b"), weights=False)
     start = time.monotonic()
-    llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy",
-              max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+    llm = LLM(
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        load_format="dummy",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+    )
     startup = time.monotonic() - start
     config = llm.engine.model_config
     floor_tps = ceilings["copy_gbps"] * 1e9 / (config.num_parameters() * 2)
@@ -69,8 +79,12 @@ def end_to_end(tmp: Path, ceilings: dict) -> dict:
         d["step_over_roofline"] = d["step_ms"] / (bound * 1e3)
     decode[0]["fraction_of_bandwidth_floor"] = decode[0]["tokens_per_s"] / floor_tps
     offline = offline_throughput(llm, 256, 1024, 128)
-    result = {"startup_s": startup, "batch1_bandwidth_floor_tokens_per_s": floor_tps,
-              "decode": decode, "offline": offline}
+    result = {
+        "startup_s": startup,
+        "batch1_bandwidth_floor_tokens_per_s": floor_tps,
+        "decode": decode,
+        "offline": offline,
+    }
     if BASELINE.is_file():
         base = json.loads(BASELINE.read_text())
         result["speedup_over_baseline"] = {
@@ -117,27 +131,35 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     c = results["ceilings"]
-    print(f"\nceilings: copy {c['copy_gbps']:.0f} GB/s, bf16 matmul "
-          f"{c['matmul_bf16_tflops']:.0f} TFLOP/s")
+    print(
+        f"\nceilings: copy {c['copy_gbps']:.0f} GB/s, bf16 matmul "
+        f"{c['matmul_bf16_tflops']:.0f} TFLOP/s"
+    )
     print("| op | shape | ms | achieved | of ceiling | target | vs ref | vs sdpa | err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in list(results.get("attention") or []) + list(results.get("ops") or []):
         if not isinstance(row, dict) or "op" not in row:
             continue
-        print(f"| {row['op']} | {row.get('shape')} | {row.get('ms', 0):.4f} | "
-              f"{row.get('achieved', 0):.0f} {row.get('metric', '')} | "
-              f"{row.get('fraction_of_ceiling', 0):.2f} | {row.get('target')} | "
-              f"{row.get('speedup_vs_reference', 0):.1f}x | {row.get('speedup_vs_sdpa', '')} | "
-              f"{row.get('max_rel_error', 0):.1e} |")
+        print(
+            f"| {row['op']} | {row.get('shape')} | {row.get('ms', 0):.4f} | "
+            f"{row.get('achieved', 0):.0f} {row.get('metric', '')} | "
+            f"{row.get('fraction_of_ceiling', 0):.2f} | {row.get('target')} | "
+            f"{row.get('speedup_vs_reference', 0):.1f}x | {row.get('speedup_vs_sdpa', '')} | "
+            f"{row.get('max_rel_error', 0):.1e} |"
+        )
     checks = results.get("engine_checks") or {}
     for name, check in checks.items():
         if isinstance(check, dict) and "passed" in check:
-            print(f"engine check {name}: passed={check['passed']} logits rel err "
-                  f"{max(check['prompt_logits_rel_error']):.2e}")
+            print(
+                f"engine check {name}: passed={check['passed']} logits rel err "
+                f"{max(check['prompt_logits_rel_error']):.2e}"
+            )
     e2e = results.get("end_to_end") or {}
     for d in e2e.get("decode", []):
-        print(f"decode batch {d['batch']} @ {d['context']}: {d['tokens_per_s']:.1f} tok/s, "
-              f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline")
+        print(
+            f"decode batch {d['batch']} @ {d['context']}: {d['tokens_per_s']:.1f} tok/s, "
+            f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline"
+        )
     if "offline" in e2e:
         o = e2e["offline"]
         print(f"offline 256x1024->128: {o['output_tokens_per_s']:.0f} out tok/s")

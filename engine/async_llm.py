@@ -60,26 +60,32 @@ class AsyncLLM:
             raise RuntimeError("the engine has shut down")
         prompt_ids = self.engine.tokenize(prompt)
         self.engine.validate(prompt_ids, params)
+        stream = self.open_stream(request_id)
+        kwargs = dict(
+            prompt=prompt,
+            params=params,
+            priority=priority,
+            namespace=namespace,
+            prompt_token_ids=prompt_ids,
+            delta=delta,
+        )
+        with self._lock:
+            self._pending.append(("add", request_id, kwargs))
+        self._wake.set()
+        async for out in stream:
+            yield out
+
+    def open_stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Where a request's outputs will arrive (register before the request is
+        added through `call`). Leaving the iteration early aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._pending.append(
-                (
-                    "add",
-                    request_id,
-                    dict(
-                        prompt=prompt,
-                        params=params,
-                        priority=priority,
-                        namespace=namespace,
-                        prompt_token_ids=prompt_ids,
-                        delta=delta,
-                    ),
-                )
-            )
-        self._wake.set()
+        return self._iterate(request_id, queue)
+
+    async def _iterate(self, request_id: str, queue: asyncio.Queue):
         finished = False
         try:
             while True:
@@ -93,6 +99,18 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, fn):
+        """Runs `fn(engine)` on the engine thread between steps and returns its
+        result. A RequestOutput it returns also goes to that request's stream."""
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._pending.append(("call", "", {"fn": fn, "future": future, "loop": loop}))
+        self._wake.set()
+        return await future
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -126,6 +144,9 @@ class AsyncLLM:
         if not pending:
             return
         for kind, request_id, kwargs in pending:
+            if kind == "call":
+                self._run_call(**kwargs)
+                continue
             try:
                 if kind == "abort":
                     self.engine.abort_request(request_id)
@@ -134,6 +155,27 @@ class AsyncLLM:
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
         self._publish()
+
+    def _run_call(self, fn, future, loop) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:
+            result, error = None, exc
+        if isinstance(result, RequestOutput):
+            self._deliver(result.request_id, result, result.finished)
+
+        def settle():
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is gone
+            pass
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         with self._lock:
@@ -166,7 +208,9 @@ class AsyncLLM:
     def _loop(self) -> None:
         while not self._stopped:
             self._apply_pending()
-            if not self.engine.has_unfinished_requests():
+            if self.engine.disagg.expire(self.engine):
+                self._publish()  # freed blocks show in the next load report
+            if not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

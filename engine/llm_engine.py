@@ -16,6 +16,7 @@ import torch
 
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
+from engine.disaggregation import Disaggregation, Reservation
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -53,6 +54,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
+        self.disagg = Disaggregation()
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
@@ -105,14 +107,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         delta: bool = False,
+        handoff=None,
+        hold_seconds: float | None = None,
     ) -> None:
         """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized.
-        With `delta`, each output carries only the tokens and text new since the last."""
+        With `delta`, each output carries only the tokens and text new since the last.
+        Prefill role: `handoff` sends the prompt's KV out layer by layer, and
+        `hold_seconds` keeps the blocks after the request finishes (see disaggregation)."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(prompt_ids, params)
+        if handoff is not None and params.n != 1:
+            raise ValueError("a request handed off to another worker must have n == 1")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
             self._new_sequence(request_id, i, prompt_ids, params, priority, namespace, arrival)
@@ -127,7 +135,9 @@ class LLMEngine:
             seqs=seqs,
             metrics=RequestMetrics(arrival_time=arrival),
             delta=delta,
+            hold_seconds=hold_seconds,
         )
+        seqs[0].handoff = handoff
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -152,6 +162,10 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.disagg.release(self, request_id)
+        if request_id in self.disagg.remote:
+            self.disagg.cancel(self, request_id)
+            return None
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -163,6 +177,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything (reserved remote prefills wait outside)."""
+        return self.scheduler.num_unfinished > 0
 
     # -- stepping ------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -179,13 +197,20 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
         tables = [self.kv.block_ids(s) for s in batch.seqs]
+        handoffs = self.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
         try:
-            sampled, result = self.runner.execute(batch.seqs, batch.num_new_tokens, tables)
+            if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
+                self.runner.model.layer_hook = self.disagg.layer_hook(self, handoffs)
+            sampled, result = self.runner.execute(
+                batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
+            )
         except Exception as exc:  # the step is lost; its requests end with the cause
             logger.exception("model step failed")
             for seq in batch.seqs:
                 self._fail(seq, f"model step failed: {exc}")
             return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
+        finally:
+            self.runner.model.layer_hook = None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.kv.commit(seq)
@@ -200,8 +225,52 @@ class LLMEngine:
                 self.max_model_len,
             )
             if seq.is_finished:
-                self.scheduler.remove(seq)
+                state = touched[seq.request_id]
+                if state.hold_seconds is not None and seq.finish_reason != FinishReason.ERROR:
+                    self.disagg.hold(self, state, state.hold_seconds)
+                else:
+                    self.scheduler.remove(seq)
         return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
+
+    # -- disaggregation (decode role) ------------------------------------------
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+        delta: bool = False,
+    ) -> Reservation | None:
+        """Makes the request and blocks for its whole prompt, to be filled from
+        outside; None when the blocks are not free now (run it locally instead)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        if params.n != 1:
+            raise ValueError("remote prefill needs n == 1")
+        seq = self._new_sequence(
+            request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
+        )
+        state = RequestState(
+            request_id,
+            None,
+            prompt_ids,
+            [seq],
+            RequestMetrics(arrival_time=seq.arrival_time),
+            delta=delta,
+        )
+        reservation = self.disagg.reserve(self, state)
+        if reservation is not None:
+            self.requests[request_id] = state
+        return reservation
+
+    def commit_remote(
+        self, request_id: str, token_id: int, logprob: float = 0.0, top=None
+    ) -> RequestOutput:
+        """The reserved blocks are filled: continue with the prefill side's first token."""
+        return self.disagg.commit(self, request_id, token_id, logprob, top)
 
     def _fork_children(self, state: RequestState) -> None:
         parent = state.seqs[0]

@@ -171,11 +171,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
+        self,
+        seqs: list[Sequence],
+        num_new: list[int],
+        block_tables: list[list[int]],
+        force_eager: bool = False,
     ) -> tuple[list[Sequence], SampleResult | None]:
         inputs = self.prepare(seqs, num_new, block_tables)
         batch = len(seqs)
-        if self.graphs is not None and inputs.meta.decode_only and batch <= self.graphs.max_batch:
+        if (
+            self.graphs is not None
+            and not force_eager
+            and inputs.meta.decode_only
+            and batch <= self.graphs.max_batch
+        ):
             self.num_tokens_processed += batch
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

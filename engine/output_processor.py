@@ -25,6 +25,7 @@ class RequestState:
     error: str | None = None
     kv_transfer_params: dict = field(default_factory=dict)
     delta: bool = False  # outputs carry only what is new since the last one
+    hold_seconds: float | None = None  # prefill role: keep the blocks this long when done
 
     @property
     def finished(self) -> bool:

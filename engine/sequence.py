@@ -61,6 +61,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     text_stream: TextStream | None = None  # set by the engine
+    handoff: object | None = None  # prefill role: where this sequence's KV goes
     # What delta outputs have handed out so far.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

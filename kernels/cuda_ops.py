@@ -21,8 +21,15 @@ def register() -> None:
     from kernels.norm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary, rotary_cache_write
 
-    for fn in (rms_norm, fused_add_rms_norm, silu_and_mul, apply_rotary, rotary_cache_write,
-               moe_route, fused_moe):
+    for fn in (
+        rms_norm,
+        fused_add_rms_norm,
+        silu_and_mul,
+        apply_rotary,
+        rotary_cache_write,
+        moe_route,
+        fused_moe,
+    ):
         ops.register_cuda(fn.__name__, fn)
     _registered = True
 

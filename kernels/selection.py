@@ -176,8 +176,15 @@ class Selector:
                 cache.put(self.op, bucket, found, ms)
                 how = f"tuned, {ms:.4f} ms"
         self._memo[key] = found
-        logger.debug("kernel %s on %s bucket %s -> %s %s (%s)", self.op, dev, bucket,
-                     found.variant, found.kwargs, how)
+        logger.debug(
+            "kernel %s on %s bucket %s -> %s %s (%s)",
+            self.op,
+            dev,
+            bucket,
+            found.variant,
+            found.kwargs,
+            how,
+        )
         return found
 
     def _tune(self, args) -> tuple[Candidate, float]:

@@ -23,8 +23,15 @@ def generate(out: Path = ROOT) -> list[Path]:
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     files = [str(p.relative_to(ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *files]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *files,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     generated = []

@@ -49,11 +49,18 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 service = attrs.get("service.name", "")
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        self.spans.append(SpanRecord(
-                            service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                            s.parent_span_id.hex(),
-                            {a.key: _value(a.value) for a in s.attributes},
-                            s.start_time_unix_nano, s.end_time_unix_nano))
+                        self.spans.append(
+                            SpanRecord(
+                                service,
+                                s.name,
+                                s.trace_id.hex(),
+                                s.span_id.hex(),
+                                s.parent_span_id.hex(),
+                                {a.key: _value(a.value) for a in s.attributes},
+                                s.start_time_unix_nano,
+                                s.end_time_unix_nano,
+                            )
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def start(self) -> OtlpReceiver:

@@ -15,12 +15,37 @@ def test_bench_serve_against_the_mesh(model_dir, tmp_path):
     folder = str(model_dir("tiny-llama"))
     spec = MeshSpec(model=folder, workers=2, port=free_port(), engine_argv=["--device", "cpu"])
     with Mesh(spec) as mesh:
-        rc = run(["serve", "--base-url", mesh.url, "--model", folder, "--model-name",
-                  "tiny-llama", "--dataset-name", "random", "--num-prompts", "24",
-                  "--random-input-len", "48", "--random-output-len", "12",
-                  "--request-rates", "20,inf", "--seed", "3", "--disable-tqdm",
-                  "--result-dir", str(tmp_path), "--result-filename", "mesh.json",
-                  "--goodput", "ttft:5000", "tpot:1000"])
+        rc = run(
+            [
+                "serve",
+                "--base-url",
+                mesh.url,
+                "--model",
+                folder,
+                "--model-name",
+                "tiny-llama",
+                "--dataset-name",
+                "random",
+                "--num-prompts",
+                "24",
+                "--random-input-len",
+                "48",
+                "--random-output-len",
+                "12",
+                "--request-rates",
+                "20,inf",
+                "--seed",
+                "3",
+                "--disable-tqdm",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "mesh.json",
+                "--goodput",
+                "ttft:5000",
+                "tpot:1000",
+            ]
+        )
     assert rc == 0
     sweep = json.loads((tmp_path / "mesh-sweep.json").read_text())
     assert len(sweep["runs"]) == 2

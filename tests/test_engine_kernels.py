@@ -22,9 +22,11 @@ def test_kernels_equal_references(model_dir, name):
     fast = LLM(model_dir(name), device="cpu", kernels="triton")
     assert fast.engine.runner.backend.name == "triton"
     assert [o.outputs[0].token_ids for o in fast.generate(prompts, PARAMS)] == [
-        o.outputs[0].token_ids for o in ref.generate(prompts, PARAMS)]
-    for got, want in zip(engine_logits(fast.engine, prompts[1], 2),
-                         engine_logits(ref.engine, prompts[1], 2)):
+        o.outputs[0].token_ids for o in ref.generate(prompts, PARAMS)
+    ]
+    for got, want in zip(
+        engine_logits(fast.engine, prompts[1], 2), engine_logits(ref.engine, prompts[1], 2)
+    ):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

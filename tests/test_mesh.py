@@ -32,8 +32,13 @@ KEY, OTHER_KEY = "sk-test-alpha", "sk-test-beta"
 def mesh(model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{KEY} alpha\n{OTHER_KEY} beta\n")
-    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=free_port(),
-                    gateway_argv=["--api-keys", str(keys)], engine_argv=["--device", "cpu"])
+    spec = MeshSpec(
+        model=str(model_dir("tiny-llama")),
+        workers=2,
+        port=free_port(),
+        gateway_argv=["--api-keys", str(keys)],
+        engine_argv=["--device", "cpu"],
+    )
     with Mesh(spec) as m:
         yield m
 
@@ -49,8 +54,13 @@ def post(mesh, path, body, key=KEY, **kw):
 
 
 def sse_events(mesh, path, body):
-    with httpx.stream("POST", f"{mesh.url}{path}", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+    with httpx.stream(
+        "POST",
+        f"{mesh.url}{path}",
+        json=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -75,8 +85,11 @@ def test_completions_equal_engine(mesh, reference):
 def test_token_id_prompts_equal_engine(mesh, reference):
     prompts = random_prompts(500, (1, 17, 64), seed=61)
     expected = reference.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
-    resp = post(mesh, "/v1/completions", {"model": "tiny-llama", "prompt": prompts,
-                                          "max_tokens": 8, "temperature": 0})
+    resp = post(
+        mesh,
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": prompts, "max_tokens": 8, "temperature": 0},
+    )
     assert resp.status_code == 200, resp.text
     texts = [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
     assert texts == [e.outputs[0].text for e in expected]
@@ -100,32 +113,45 @@ def test_chat_equals_engine(mesh, reference):
 def test_openai_client(mesh, reference):
     client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=KEY)
     assert [m.id for m in client.models.list()] == ["tiny-llama"]
-    done = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=6,
-                                     temperature=0, n=2, logprobs=2)
+    done = client.completions.create(
+        model="tiny-llama", prompt="Once upon", max_tokens=6, temperature=0, n=2, logprobs=2
+    )
     assert len(done.choices) == 2 and done.choices[0].text == done.choices[1].text
     assert len(done.choices[0].logprobs.tokens) == 6
     assert all(len(t) == 2 for t in done.choices[0].logprobs.top_logprobs)
     assert done.usage.completion_tokens == 12
 
     chat = client.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-        temperature=0, logprobs=True, top_logprobs=3)
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     lp = chat.choices[0].logprobs.content
     assert len(lp) == 5 and all(len(e.top_logprobs) == 3 for e in lp)
 
     stream = client.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == chat.choices[0].message.content
 
-    free = client.completions.create(model="tiny-llama", prompt="The quick brown fox",
-                                     max_tokens=16, temperature=0)
+    free = client.completions.create(
+        model="tiny-llama", prompt="The quick brown fox", max_tokens=16, temperature=0
+    )
     stop = free.choices[0].text[4:7]
-    cut = client.completions.create(model="tiny-llama", prompt="The quick brown fox",
-                                    max_tokens=16, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model="tiny-llama", prompt="The quick brown fox", max_tokens=16, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
@@ -134,9 +160,14 @@ def test_concurrent_streams_spread_over_both_workers(mesh):
     client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=KEY, max_retries=0)
 
     def one(i):
-        stream = client.completions.create(model="tiny-llama", prompt=f"Request number {i}",
-                                           max_tokens=12, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny-llama",
+            prompt=f"Request number {i}",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     with ThreadPoolExecutor(64) as pool:
@@ -148,8 +179,11 @@ def test_concurrent_streams_spread_over_both_workers(mesh):
 
 def worker_request_counts(mesh) -> dict[str, float]:
     channel = grpc.insecure_channel(mesh.scheduler_address)
-    workers = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
-        scheduler_pb2.ListWorkersRequest(), timeout=5).workers
+    workers = (
+        scheduler_pb2_grpc.SchedulerStub(channel)
+        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+        .workers
+    )
     counts = {}
     for w in workers:
         text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=5).text
@@ -162,14 +196,30 @@ def worker_request_counts(mesh) -> dict[str, float]:
 BAD = [
     ("malformed json", "/v1/completions", b"{not json", 400),
     ("unknown model", "/v1/completions", {"model": "gpt-x", "prompt": "hi"}, 404),
-    ("negative max_tokens", "/v1/completions",
-     {"model": "tiny-llama", "prompt": "hi", "max_tokens": -1}, 400),
-    ("absurd max_tokens", "/v1/completions",
-     {"model": "tiny-llama", "prompt": "hi", "max_tokens": 10**9}, 400),
-    ("prompt over context", "/v1/completions",
-     {"model": "tiny-llama", "prompt": [7] * 5000, "max_tokens": 1}, 400),
-    ("wrong type", "/v1/completions",
-     {"model": "tiny-llama", "prompt": "hi", "temperature": "hot"}, 400),
+    (
+        "negative max_tokens",
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": "hi", "max_tokens": -1},
+        400,
+    ),
+    (
+        "absurd max_tokens",
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": "hi", "max_tokens": 10**9},
+        400,
+    ),
+    (
+        "prompt over context",
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": [7] * 5000, "max_tokens": 1},
+        400,
+    ),
+    (
+        "wrong type",
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": "hi", "temperature": "hot"},
+        400,
+    ),
     ("bad top_p", "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "top_p": 3}, 400),
     ("empty messages", "/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 400),
     ("missing prompt", "/v1/completions", {"model": "tiny-llama"}, 400),
@@ -179,9 +229,12 @@ BAD = [
 @pytest.mark.parametrize(("name", "path", "body", "status"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_openai_error(mesh, name, path, body, status):
     if isinstance(body, bytes):
-        resp = httpx.post(f"{mesh.url}{path}", content=body, timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}",
-                                   "Content-Type": "application/json"})
+        resp = httpx.post(
+            f"{mesh.url}{path}",
+            content=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )
     else:
         resp = post(mesh, path, body)
     assert resp.status_code == status, resp.text
@@ -217,42 +270,65 @@ def test_grpc_api(mesh, reference):
     stub = inference_pb2_grpc.InferenceStub(channel)
     md = [("authorization", f"Bearer {KEY}")]
     params = common_pb2.SamplingParams(max_tokens=6, temperature=0)
-    resp = stub.Complete(inference_pb2.CompletionRequest(model="tiny-llama", text="Hello",
-                                                         params=params), metadata=md, timeout=30)
+    resp = stub.Complete(
+        inference_pb2.CompletionRequest(model="tiny-llama", text="Hello", params=params),
+        metadata=md,
+        timeout=30,
+    )
     assert resp.choices[0].text == exp.outputs[0].text
-    chunks = list(stub.CompleteStream(inference_pb2.CompletionRequest(
-        model="tiny-llama", text="Hello", params=params), metadata=md, timeout=30))
+    chunks = list(
+        stub.CompleteStream(
+            inference_pb2.CompletionRequest(model="tiny-llama", text="Hello", params=params),
+            metadata=md,
+            timeout=30,
+        )
+    )
     assert "".join(c.text for c in chunks) == exp.outputs[0].text
     assert chunks[-1].usage.completion_tokens == 6
     with pytest.raises(grpc.RpcError) as info:
-        stub.Complete(inference_pb2.CompletionRequest(
-            model="tiny-llama", text="Hello", params=common_pb2.SamplingParams(top_p=7)),
-            metadata=md, timeout=30)
+        stub.Complete(
+            inference_pb2.CompletionRequest(
+                model="tiny-llama", text="Hello", params=common_pb2.SamplingParams(top_p=7)
+            ),
+            metadata=md,
+            timeout=30,
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as info:
         stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                       timeout=5)
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_health_and_metrics(mesh):
     assert httpx.get(f"{mesh.url}/health", timeout=10).status_code == 200
     text = httpx.get(f"{mesh.url}/metrics", timeout=10).text
-    for name in ("yinian:time_to_first_token_seconds", "yinian:e2e_request_latency_seconds",
-                 "yinian:inter_token_latency_seconds"):
+    for name in (
+        "yinian:time_to_first_token_seconds",
+        "yinian:e2e_request_latency_seconds",
+        "yinian:inter_token_latency_seconds",
+    ):
         assert f"{name}_count" in text
 
 
 def test_client_disconnect_cancels_downstream(mesh):
     async def main():
         async with httpx.AsyncClient(timeout=30) as client:
-            async with client.stream("POST", f"{mesh.url}/v1/completions", json={
-                "model": "tiny-llama", "prompt": "hi", "max_tokens": 3000, "stream": True,
-                "ignore_eos": True}, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            async with client.stream(
+                "POST",
+                f"{mesh.url}/v1/completions",
+                json={
+                    "model": "tiny-llama",
+                    "prompt": "hi",
+                    "max_tokens": 3000,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+                headers={"Authorization": f"Bearer {KEY}"},
+            ) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: "):
                         break
@@ -267,6 +343,9 @@ def test_client_disconnect_cancels_downstream(mesh):
 
 def running_requests(mesh) -> dict[str, int]:
     channel = grpc.insecure_channel(mesh.scheduler_address)
-    workers = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
-        scheduler_pb2.ListWorkersRequest(), timeout=5).workers
+    workers = (
+        scheduler_pb2_grpc.SchedulerStub(channel)
+        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+        .workers
+    )
     return {w.info.worker_id: w.num_requests_running + w.num_requests_waiting for w in workers}

@@ -16,10 +16,18 @@ from yinian.mesh import Mesh, MeshSpec
 @pytest.fixture(scope="module")
 def traced_mesh(model_dir):
     receiver = OtlpReceiver().start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
-           "OTEL_EXPORTER_OTLP_INSECURE": "true"}
-    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=free_port(), env=env,
-                    engine_argv=["--device", "cpu"])
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    }
+    spec = MeshSpec(
+        model=str(model_dir("tiny-llama")),
+        workers=2,
+        port=free_port(),
+        env=env,
+        engine_argv=["--device", "cpu"],
+    )
     with Mesh(spec) as mesh:
         yield mesh, receiver
     receiver.stop()
@@ -40,8 +48,16 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
     mesh, receiver = traced_mesh
     ids = []
     for i in range(3):
-        resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60, json={
-            "model": "tiny-llama", "prompt": f"trace me {i}", "max_tokens": 5, "stream": stream})
+        resp = httpx.post(
+            f"{mesh.url}/v1/completions",
+            timeout=60,
+            json={
+                "model": "tiny-llama",
+                "prompt": f"trace me {i}",
+                "max_tokens": 5,
+                "stream": stream,
+            },
+        )
         assert resp.status_code == 200
         if stream:
             first = next(line for line in resp.text.splitlines() if line.startswith("data: {"))
@@ -50,8 +66,10 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
             ids.append(resp.json()["id"])
 
     def complete(spans):
-        return all(sum(1 for s in spans if s.name == "decode"
-                       and _trace_of(spans, rid) == s.trace_id) == 1 for rid in ids)
+        return all(
+            sum(1 for s in spans if s.name == "decode" and _trace_of(spans, rid) == s.trace_id) == 1
+            for rid in ids
+        )
 
     spans = wait_for(receiver, complete)
     for rid in ids:
@@ -60,10 +78,22 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         mine = [s for s in spans if s.trace_id == trace_id]
         by_id = {s.span_id: s for s in mine}
         names = {s.name for s in mine}
-        assert {"gateway.request", "placement", "scheduler.place", "worker.stream",
-                "worker.generate", "queue", "prefill", "decode", "detokenize"} <= names
-        assert {s.service for s in mine} == {"yinian-gateway", "yinian-scheduler",
-                                             "yinian-colocated"}
+        assert {
+            "gateway.request",
+            "placement",
+            "scheduler.place",
+            "worker.stream",
+            "worker.generate",
+            "queue",
+            "prefill",
+            "decode",
+            "detokenize",
+        } <= names
+        assert {s.service for s in mine} == {
+            "yinian-gateway",
+            "yinian-scheduler",
+            "yinian-colocated",
+        }
         roots = [s for s in mine if not s.parent_id]
         assert len(roots) == 1 and roots[0].service == "yinian-gateway"
         request = next(s for s in mine if s.name == "gateway.request")

@@ -12,4 +12,5 @@ def test_stubs_are_fresh(tmp_path):
         committed = ROOT / path.relative_to(tmp_path)
         assert committed.is_file(), f"{committed} is missing: run python -m proto.generate"
         assert committed.read_bytes() == path.read_bytes(), (
-            f"{committed.name} is stale: run python -m proto.generate")
+            f"{committed.name} is stale: run python -m proto.generate"
+        )

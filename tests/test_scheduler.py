@@ -32,8 +32,7 @@ def test_priority_runs_lower_values_first(model_dir):
 
 def test_preemption_takes_the_lowest_priority(model_dir):
     # Two sequences of 40 + 30 tokens need 2 x 5 blocks of 16; 7 blocks hold one and a bit.
-    llm = LLM(model_dir("tiny-llama"), device="cpu", num_gpu_blocks=8,
-              scheduling_policy="priority")
+    llm = LLM(model_dir("tiny-llama"), device="cpu", num_gpu_blocks=8, scheduling_policy="priority")
     engine = llm.engine
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.add_request("low", list(range(1, 41)), params, priority=10)
@@ -50,6 +49,7 @@ def test_preemption_takes_the_lowest_priority(model_dir):
     assert engine.scheduler.num_preemptions > 0
     assert preempted_ids == {"low"}
     alone = LLM(model_dir("tiny-llama"), device="cpu").generate(
-        [list(range(1, 41)), list(range(2, 42))], params)
+        [list(range(1, 41)), list(range(2, 42))], params
+    )
     assert outs["low"].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert outs["high"].outputs[0].token_ids == alone[1].outputs[0].token_ids

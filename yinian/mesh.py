@@ -52,6 +52,7 @@ class MeshSpec:
     gateway_argv: list[str] = field(default_factory=list)
     scheduler_argv: list[str] = field(default_factory=list)
     worker_argv: list[str] = field(default_factory=list)
+    role_argv: dict[str, list[str]] = field(default_factory=dict)  # extra flags per role
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
 
@@ -125,6 +126,7 @@ class Mesh:
             self.spec.host,
             *self.spec.engine_argv,
             *self.spec.worker_argv,
+            *self.spec.role_argv.get(role, []),
         ]
 
     def start(self, timeout: float = 120.0) -> Mesh:

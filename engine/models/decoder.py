@@ -131,6 +131,8 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
+        # Called with a layer's index right after it ran (KV handoff), when set.
+        self.layer_hook = None
 
     def forward(
         self,
@@ -143,8 +145,10 @@ class CausalLM(nn.Module):
         """Returns the final hidden states, [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, backend)
+            if self.layer_hook is not None:
+                self.layer_hook(i)
         x, _ = self.norm.add_forward(x, residual)
         return x
 

@@ -44,6 +44,27 @@ PREFIX_CACHE_HIT = Gauge(
 WORKER_REQUESTS = Counter("yinian:worker_requests", "Requests a worker has taken", ["worker"])
 NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"])
 
+# KV handoffs (decode workers)
+KV_TRANSFER_BLOCKS = Counter(
+    "yinian:kv_transfer_blocks", "KV blocks received from prefill workers", ["worker", "transport"]
+)
+KV_TRANSFER_BYTES = Counter(
+    "yinian:kv_transfer_bytes", "KV bytes received from prefill workers", ["worker", "transport"]
+)
+KV_SKIPPED_BLOCKS = Counter(
+    "yinian:kv_skipped_blocks",
+    "Prompt blocks not transferred: already in this worker's prefix cache",
+    ["worker"],
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "yinian:kv_transfer_seconds",
+    "Time from the prefill's end to the KV in place",
+    buckets=_LATENCY_BUCKETS,
+)
+KV_HANDOFF_FALLBACKS = Counter(
+    "yinian:kv_handoff_fallbacks", "Handoffs that failed and were prefilled locally", ["worker"]
+)
+
 # Request-side (gateway)
 TTFT = Histogram(
     "yinian:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS

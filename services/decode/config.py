@@ -25,6 +25,11 @@ class WorkerConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     metrics_port: int = 0
     load_interval: float = 0.5
+    # KV handoff: transports this worker speaks (None: tcp, plus cuda_ipc on CUDA),
+    # how long a prefill worker holds blocks for us, how long a handoff may take.
+    kv_transports: list[str] | None = None
+    kv_lease_seconds: float = 30.0
+    prefill_timeout: float = 120.0
     engine_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -49,6 +54,18 @@ def parse(argv: list[str] | None = None, role: str = "colocated") -> WorkerConfi
     parser.add_argument("--nats-url", default=env("YINIAN_NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--metrics-port", type=int, default=int(env("YINIAN_METRICS_PORT", "0")))
     parser.add_argument("--load-interval", type=float, default=0.5)
+    parser.add_argument(
+        "--kv-transports",
+        default=env("YINIAN_KV_TRANSPORTS"),
+        help="comma-separated: tcp, cuda_ipc, nccl (default: tcp, plus cuda_ipc on CUDA)",
+    )
+    parser.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long a prefill worker keeps handed-off blocks for us",
+    )
+    parser.add_argument("--prefill-timeout", type=float, default=120.0)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     return WorkerConfig(
@@ -62,5 +79,8 @@ def parse(argv: list[str] | None = None, role: str = "colocated") -> WorkerConfi
         nats_url=args.nats_url,
         metrics_port=args.metrics_port,
         load_interval=args.load_interval,
+        kv_transports=args.kv_transports.split(",") if args.kv_transports else None,
+        kv_lease_seconds=args.kv_lease_seconds,
+        prefill_timeout=args.prefill_timeout,
         engine_options=engine_options(args),
     )

@@ -14,35 +14,68 @@ from proto.yinian.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worke
 from services.common import metrics
 from services.common.bus import EventBus, kv_subject, load_subject
 from services.common.grpc_server import GrpcServer
+from services.common.kv_transport.registry import make_sender
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.decode.config import WorkerConfig
+from services.decode.prefill_client import PrefillClient
+from services.decode.remote_prefill import RemotePrefill
 from services.decode.server import WorkerServicer
 from services.decode.worker_core import WorkerCore
+from services.prefill.prefill_core import PrefillCore
+
+
+class SenderSet:
+    """Prefill role: one sender per transport, made on first use."""
+
+    def __init__(self, engine: AsyncLLM, loop: asyncio.AbstractEventLoop):
+        self.device = engine.engine.runner.device
+        self.loop = loop
+        self._senders: dict = {}
+
+    def get(self, name: str):
+        if name not in self._senders:
+            self._senders[name] = make_sender(name, self.device, self.loop)
+        return self._senders[name]
+
 
 logger = logging.getLogger(__name__)
 
 
-async def register(
-    config: WorkerConfig,
-    core: WorkerCore,
-    address: str,
-    metrics_address: str,
-    timeout: float = 60.0,
-) -> None:
-    """Registers with the scheduler, retrying until it answers."""
-    stats = core.load()
-    info = scheduler_pb2.WorkerInfo(
+def worker_info(
+    config: WorkerConfig, engine: AsyncLLM, address: str, metrics_address: str
+) -> scheduler_pb2.WorkerInfo:
+    runner = engine.engine.runner
+    transports = config.kv_transports or (
+        ["cuda_ipc", "tcp"] if runner.device.type == "cuda" else ["tcp"]
+    )
+    return scheduler_pb2.WorkerInfo(
         worker_id=config.worker_id,
         address=address,
         role=config.role,
         model=config.model,
-        block_size=core.block_size,
-        max_num_seqs=core.engine.engine.config.max_num_seqs,
-        kv_blocks_total=stats["kv_blocks_total"],
+        block_size=engine.engine.config.block_size,
+        max_num_seqs=engine.engine.config.max_num_seqs,
+        kv_blocks_total=runner.num_blocks,
         metrics_address=metrics_address,
-        transports=["tcp"],
+        transports=transports,
         host=config.advertise_host or config.host,
+        device=str(runner.device),
     )
+
+
+def endpoint(info: scheduler_pb2.WorkerInfo) -> dict:
+    return {
+        "host": info.host,
+        "device": info.device,
+        "transports": list(info.transports),
+        "worker_id": info.worker_id,
+    }
+
+
+async def register(
+    config: WorkerConfig, info: scheduler_pb2.WorkerInfo, timeout: float = 60.0
+) -> None:
+    """Registers with the scheduler, retrying until it answers."""
     deadline = asyncio.get_running_loop().time() + timeout
     async with grpc.aio.insecure_channel(config.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -99,17 +132,33 @@ async def kv_event_loop(
 async def run_worker(config: WorkerConfig) -> None:
     setup_tracing(f"yinian-{config.role}")
     engine = AsyncLLM.from_model(config.model, **config.engine_options)
-    core = WorkerCore(engine, config.worker_id)
     server = GrpcServer(config.host, config.port)
+    host = config.advertise_host or config.host
+    address = f"{host}:{server.port}"
+    metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
+    info = worker_info(config, engine, address, f"{host}:{metrics_port}")
+    remote = prefill_core = None
+    if config.role == "decode":
+        remote = RemotePrefill(
+            engine,
+            PrefillClient(),
+            endpoint(info),
+            config.worker_id,
+            config.kv_lease_seconds,
+            config.prefill_timeout,
+        )
+    elif config.role == "prefill":
+        prefill_core = PrefillCore(engine, SenderSet(engine, asyncio.get_running_loop()).get)
+    core = WorkerCore(engine, config.worker_id, remote)
     server.add(
-        worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(core), ["yinian.v1.Worker"]
+        worker_pb2_grpc.add_WorkerServicer_to_server,
+        WorkerServicer(core, info, prefill_core),
+        ["yinian.v1.Worker"],
     )
     await server.start()
-    address = f"{config.advertise_host or config.host}:{server.port}"
-    metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, config.worker_id)
     await bus.connect()
-    await register(config, core, address, f"{config.advertise_host or config.host}:{metrics_port}")
+    await register(config, info)
     reporters = [
         asyncio.create_task(report_loop(config, core, bus)),
         asyncio.create_task(kv_event_loop(config, core, bus)),
@@ -134,6 +183,8 @@ async def run_worker(config: WorkerConfig) -> None:
         pass
     for task in reporters:
         task.cancel()
+    if remote is not None:
+        await remote.close()
     await server.stop(grace=1.0)
     await bus.close()
     engine.shutdown()

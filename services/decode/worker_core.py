@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine import AsyncLLM, SamplingParams
 from engine.outputs import RequestOutput
+from services.decode.remote_prefill import HandoffTiming, RemotePrefill
 
 
 @dataclass(slots=True)
@@ -33,9 +34,11 @@ class RequestTiming:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    second_token: float | None = None  # the first token the decode step itself made
     output_tokens: int = 0
     cached_tokens: int = 0
     prompt_tokens: int = 0
+    handoff: HandoffTiming | None = None
 
 
 @dataclass(slots=True)
@@ -47,9 +50,10 @@ class KvEventBatch:
 
 
 class WorkerCore:
-    def __init__(self, engine: AsyncLLM, worker_id: str):
+    def __init__(self, engine: AsyncLLM, worker_id: str, remote: RemotePrefill | None = None):
         self.engine = engine
         self.worker_id = worker_id
+        self.remote = remote  # decode role: KV handoffs from prefill workers
         self._event_id = 0
 
     @property
@@ -66,6 +70,7 @@ class WorkerCore:
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
         timing: RequestTiming | None = None,
+        prefill_address: str = "",
     ) -> AsyncIterator[TokenDelta]:
         """Streams each output's new tokens. With `resume_token_ids` (a migrated
         request) the engine continues after them and they are not sent again."""
@@ -80,9 +85,29 @@ class WorkerCore:
                     max_tokens=params.max_tokens - len(resume),
                     min_tokens=max(0, params.min_tokens - len(resume)),
                 )
-        async for out in self.engine.generate(
-            prompt_ids + resume, params, request_id, priority=priority, namespace=tenant, delta=True
-        ):
+        full_prompt = prompt_ids + resume
+        if prefill_address and self.remote is not None and params.n == 1:
+            self.engine.engine.validate(full_prompt, params)
+            outputs = self.engine.open_stream(request_id)
+            try:
+                handoff = await self.remote.run(
+                    request_id,
+                    full_prompt,
+                    params,
+                    prefill_address,
+                    tenant=tenant,
+                    priority=priority,
+                )
+            except BaseException:
+                self.engine.abort(request_id)
+                raise
+            if timing is not None:
+                timing.handoff = handoff
+        else:
+            outputs = self.engine.generate(
+                full_prompt, params, request_id, priority=priority, namespace=tenant, delta=True
+            )
+        async for out in outputs:
             if timing is not None:
                 _record(timing, out)
             for completion in out.outputs:
@@ -151,6 +176,9 @@ def _record(timing: RequestTiming, out: RequestOutput) -> None:
     timing.first_scheduled = m.first_scheduled_time
     timing.first_token = m.first_token_time
     timing.finished = m.finished_time
+    before = timing.output_tokens
     timing.output_tokens += sum(len(c.token_ids) for c in out.outputs)  # delta outputs
+    if before <= 1 < timing.output_tokens and timing.second_token is None:
+        timing.second_token = time.monotonic()
     timing.cached_tokens = out.num_cached_tokens
     timing.prompt_tokens = len(out.prompt_token_ids)

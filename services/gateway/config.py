@@ -22,10 +22,13 @@ class GatewayConfig:
     block_size: int = 16
     request_timeout: float = 600.0
     idle_timeout: float = 120.0
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             self.served_model_name = Path(self.model).name
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
         for name in ("request_timeout", "idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -50,6 +53,12 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--idle-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a stream may move to another worker when its worker dies",
+    )
     a = p.parse_args(argv)
     return GatewayConfig(
         a.model,
@@ -64,4 +73,5 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         a.block_size,
         a.request_timeout,
         a.idle_timeout,
+        a.max_migrations,
     )

@@ -65,12 +65,15 @@ class RunStats:
     worker_id: str = ""
     first_token_time: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    migrations: int = 0
+    timings: object | None = None  # the worker's StageTimings, from its last chunk
 
 
 class _Choice:
     def __init__(self, tokenizer, params: SamplingParams):
         self.stream = TextStream(tokenizer, params)
         self.num_tokens = 0
+        self.token_ids: list[int] = []  # every token streamed, for resuming elsewhere
         self.shown = 0
         self.finished = False
 
@@ -85,6 +88,7 @@ class Frontend:
         request_timeout: float = 600.0,
         idle_timeout: float = 120.0,
         max_placement_attempts: int = 3,
+        max_migrations: int = 2,
     ):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -93,23 +97,23 @@ class Frontend:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.max_placement_attempts = max_placement_attempts
+        self.max_migrations = max_migrations
 
     async def run(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
-        """Streams choice events until every output finished; fills `stats`."""
+        """Streams choice events until every output finished; fills `stats`.
+
+        A worker that fails before its first token is replaced. One that fails
+        mid-stream is replaced too (a migration, for single-output requests): the
+        new worker gets the prompt plus the tokens already streamed and continues
+        after them, so the client sees every token once.
+        """
         params = prep.params
         stats.prompt_tokens = len(prep.prompt_ids)
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
-        worker_params = params.clone(stop=[], include_stop_str_in_output=False)
-        request = worker_pb2.GenerateRequest(
-            request_id=prep.request_id,
-            prompt_token_ids=prep.prompt_ids,
-            params=params_to_proto(worker_params),
-            tenant=prep.tenant,
-            priority=prep.priority,
-        )
+        worker_params = params_to_proto(params.clone(stop=[], include_stop_str_in_output=False))
         hashes = hash_prompt_blocks(prep.prompt_ids, self.block_size, prep.tenant)
         excluded: list[str] = []
-        started = False
+        failures_before_output = 0
         while True:
             with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
                 placement = await self.scheduler.place(
@@ -117,20 +121,52 @@ class Frontend:
                 )
                 span.set_attribute("yinian.worker_id", placement.worker_id)
                 span.set_attribute("yinian.matched_blocks", placement.matched_blocks)
+                if placement.prefill_worker_id:
+                    span.set_attribute("yinian.prefill_worker_id", placement.prefill_worker_id)
             stats.worker_id = placement.worker_id
+            request = worker_pb2.GenerateRequest(
+                request_id=prep.request_id,
+                prompt_token_ids=prep.prompt_ids,
+                params=worker_params,
+                tenant=prep.tenant,
+                priority=prep.priority,
+                resume_token_ids=choices[0].token_ids if stats.migrations else [],
+                prefill_worker_id=placement.prefill_worker_id,
+                prefill_address=placement.prefill_address,
+            )
             try:
                 async for event in self._stream(placement, request, choices, stats):
-                    started = True
                     yield event
                 return
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 excluded.append(placement.worker_id)
-                if started or len(excluded) >= self.max_placement_attempts:
-                    raise WorkerUnavailable(f"worker {placement.worker_id} failed: {exc}") from exc
+                if not any(c.num_tokens for c in choices):
+                    failures_before_output += 1
+                    if failures_before_output >= self.max_placement_attempts:
+                        raise WorkerUnavailable(
+                            f"worker {placement.worker_id} failed: {exc}"
+                        ) from exc
+                    logger.warning(
+                        "worker %s failed before answering (%s); placing again",
+                        placement.worker_id,
+                        exc,
+                    )
+                    continue
+                done = sum(c.num_tokens for c in choices)
+                if prep.params.n != 1 or stats.migrations >= self.max_migrations:
+                    raise WorkerUnavailable(
+                        f"worker {placement.worker_id} failed after {done} tokens ({exc}); "
+                        f"no migration left"
+                    ) from exc
+                stats.migrations += 1
                 logger.warning(
-                    "worker %s failed before answering (%s); placing again",
+                    "worker %s failed after %d tokens (%s); migrating %s (%d/%d)",
                     placement.worker_id,
+                    done,
                     exc,
+                    prep.request_id,
+                    stats.migrations,
+                    self.max_migrations,
                 )
 
     async def _stream(self, placement, request, choices: list[_Choice], stats: RunStats):
@@ -154,6 +190,8 @@ class Frontend:
                             "detokenize", context=trace.set_span_in_context(span)
                         )
                     stats.cached_tokens = max(stats.cached_tokens, chunk.cached_tokens)
+                    if chunk.HasField("timings"):
+                        stats.timings = chunk.timings
                     event = self._apply(chunk, choices[chunk.index], stats)
                     if event is not None:
                         yield event
@@ -173,6 +211,7 @@ class Frontend:
         stop_string = None
         for token in chunk.token_ids:
             choice.num_tokens += 1
+            choice.token_ids.append(token)
             new_ids.append(token)
             stop_string = choice.stream.append(token, choice.num_tokens)
             if stop_string is not None:

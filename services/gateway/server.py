@@ -55,6 +55,7 @@ async def run_gateway(config: GatewayConfig) -> None:
         config.block_size,
         config.request_timeout,
         config.idle_timeout,
+        max_migrations=config.max_migrations,
     )
     health = HealthProbe(scheduler)
     app = create_app(core, auth, health)

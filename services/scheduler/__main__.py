@@ -28,7 +28,7 @@ async def run(config: SchedulerConfig) -> None:
     servicer = SchedulerServicer(
         registry,
         index,
-        PlacementPolicy(max_waiting=config.max_waiting),
+        PlacementPolicy(max_waiting=config.max_waiting, disagg_min_tokens=config.disagg_min_tokens),
         heartbeat_interval=config.heartbeat_timeout / 4,
     )
     server = GrpcServer(config.host, config.port)

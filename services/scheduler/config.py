@@ -15,6 +15,7 @@ class SchedulerConfig:
     heartbeat_timeout: float = 2.0
     max_waiting: int | None = None
     metrics_port: int = 0
+    disagg_min_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= 0:
@@ -43,7 +44,20 @@ def parse(argv: list[str] | None = None) -> SchedulerConfig:
         "as saturated (default: max_num_seqs)",
     )
     parser.add_argument("--metrics-port", type=int, default=int(env("YINIAN_METRICS_PORT", "0")))
+    parser.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        default=512,
+        help="prompts whose uncached part is shorter are prefilled by their "
+        "decode worker instead of a prefill worker",
+    )
     a = parser.parse_args(argv)
     return SchedulerConfig(
-        a.host, a.port, a.nats_url, a.heartbeat_timeout, a.max_waiting, a.metrics_port
+        a.host,
+        a.port,
+        a.nats_url,
+        a.heartbeat_timeout,
+        a.max_waiting,
+        a.metrics_port,
+        a.disagg_min_tokens,
     )

@@ -70,6 +70,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.index,
                     self.policy,
                     list(request.block_hashes),
+                    request.prompt_tokens,
                     exclude=set(request.exclude_workers),
                 )
             except Exception as exc:
@@ -79,11 +80,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             metrics.PLACEMENTS.labels(outcome="placed").inc()
             span.set_attribute("yinian.worker_id", decision.worker.worker_id)
             span.set_attribute("yinian.matched_blocks", decision.matched_blocks)
-            return scheduler_pb2.Placement(
+            out = scheduler_pb2.Placement(
                 worker_id=decision.worker.worker_id,
                 address=decision.worker.address,
                 matched_blocks=decision.matched_blocks,
             )
+            if decision.prefill is not None:
+                out.prefill_worker_id = decision.prefill.worker_id
+                out.prefill_address = decision.prefill.address
+                span.set_attribute("yinian.prefill_worker_id", decision.prefill.worker_id)
+            return out
 
     async def ListWorkers(self, request, context):
         out = scheduler_pb2.ListWorkersResponse()

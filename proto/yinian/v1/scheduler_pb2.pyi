@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "block_size", "max_num_seqs", "kv_blocks_total", "metrics_address", "transports", "host")
+    __slots__ = ("worker_id", "address", "role", "model", "block_size", "max_num_seqs", "kv_blocks_total", "metrics_address", "transports", "host", "device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerInfo(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -28,7 +29,8 @@ class WorkerInfo(_message.Message):
     metrics_address: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     host: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_seconds", "nats_subject_prefix")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from proto.yinian.v1 import common_pb2 as proto_dot_yinian_dot_v1_dot_common__pb2
+from proto.yinian.v1 import scheduler_pb2 as proto_dot_yinian_dot_v1_dot_scheduler__pb2
 from proto.yinian.v1 import worker_pb2 as proto_dot_yinian_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -50,6 +51,11 @@ class WorkerStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/yinian.v1.Worker/GetInfo',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.WorkerInfo.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/yinian.v1.Worker/Prefill',
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -80,6 +86,13 @@ class WorkerServicer:
 
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """Who this worker is (role, host, device, transports): for choosing a KV transport.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -115,6 +128,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.WorkerInfo.SerializeToString,
             ),
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
@@ -208,6 +226,33 @@ class Worker:
             '/yinian.v1.Worker/GetLoad',
             proto_dot_yinian_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_common__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Worker/GetInfo',
+            proto_dot_yinian_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_scheduler__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,71 @@
+"""Picks and builds KV transports by name.
+
+An endpoint (what a worker advertises) is {"host": ..., "device": "cpu" | "cuda"
+(or "cuda:N"), "transports": [...]}. Preference: cuda_ipc on one host (GPU to GPU, no copy
+through the host or the network), nccl between GPUs of different hosts, tcp
+otherwise. A transport other than tcp is chosen only if both ends list it (an
+endpoint without a "transports" key supports all), since each one can be
+unusable in a given deployment (GPUs hidden from each other, no NCCL path).
+Modules load lazily: a CPU-only service never imports the GPU paths.
+
+Receivers need `await receiver.start()` before `target()` (tcp and nccl listen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.common.kv_transport.base import KvReceiver, KvSender
+
+TRANSPORTS = ("cuda_ipc", "nccl", "tcp")
+
+
+def _supports(endpoint: dict, name: str) -> bool:
+    return name == "tcp" or name in endpoint.get("transports", TRANSPORTS)
+
+
+def _device_type(endpoint: dict) -> str:
+    return str(endpoint.get("device", "cpu")).split(":")[0]  # "cuda:0" is a CUDA device
+
+
+def choose_transport(local: dict, remote: dict) -> str:
+    both_cuda = _device_type(local) == "cuda" and _device_type(remote) == "cuda"
+    same_host = local.get("host") == remote.get("host")
+    for name, fits in (("cuda_ipc", both_cuda and same_host), ("nccl", both_cuda)):
+        if fits and _supports(local, name) and _supports(remote, name):
+            return name
+    return "tcp"
+
+
+def make_receiver(name: str, kv_caches: list[torch.Tensor], host: str) -> KvReceiver:
+    if name == "tcp":
+        from services.common.kv_transport.tcp import TcpReceiver
+
+        return TcpReceiver(kv_caches, host)
+    if name == "nccl":
+        from services.common.kv_transport.nccl import NcclReceiver
+
+        return NcclReceiver(kv_caches, host)
+    if name == "cuda_ipc":
+        from services.common.kv_transport.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(kv_caches)
+    raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORTS)}")
+
+
+def make_sender(name: str, device, loop: asyncio.AbstractEventLoop) -> KvSender:
+    if name == "tcp":
+        from services.common.kv_transport.tcp import TcpSender
+
+        return TcpSender(loop)
+    if name == "nccl":
+        from services.common.kv_transport.nccl import NcclSender
+
+        return NcclSender(device)
+    if name == "cuda_ipc":
+        from services.common.kv_transport.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(device)
+    raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORTS)}")

@@ -1,0 +1,110 @@
+"""gRPC calls a decode worker makes to prefill workers."""
+
+from __future__ import annotations
+
+import grpc
+
+from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
+from services.common.convert import params_to_proto
+from services.common.errors import from_grpc_error
+from services.common.telemetry import grpc_metadata
+from services.prefill.prefill_core import PrefillResult
+
+
+class PrefillClient:
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._info: dict[str, dict] = {}
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return worker_pb2_grpc.WorkerStub(self._channels[address])
+
+    async def info(self, address: str) -> dict:
+        """The prefill worker's host, device and transports (cached per address)."""
+        if address not in self._info:
+            try:
+                info = await self._stub(address).GetInfo(worker_pb2.GetInfoRequest(), timeout=5.0)
+            except grpc.RpcError as exc:
+                raise from_grpc_error(exc) from exc
+            self._info[address] = {
+                "host": info.host,
+                "device": info.device,
+                "transports": list(info.transports),
+                "worker_id": info.worker_id,
+            }
+        return self._info[address]
+
+    def forget(self, address: str) -> None:
+        """After a failure: the worker may come back as someone else."""
+        self._info.pop(address, None)
+
+    async def prefill(
+        self,
+        address: str,
+        *,
+        request_id,
+        prompt_ids,
+        params,
+        tenant,
+        priority,
+        skip_blocks,
+        dst_block_ids,
+        transport,
+        target,
+        lease_seconds,
+        decode_worker_id,
+        timeout,
+    ) -> PrefillResult:
+        request = worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            tenant=tenant,
+            skip_blocks=skip_blocks,
+            decode_worker_id=decode_worker_id,
+            transport=transport,
+            transport_target=target,
+            lease_seconds=lease_seconds,
+            params=params_to_proto(params),
+            dst_block_ids=dst_block_ids,
+            priority=priority,
+        )
+        done = None
+        try:
+            async for chunk in self._stub(address).Prefill(
+                request, timeout=timeout, metadata=grpc_metadata()
+            ):
+                if chunk.error:
+                    raise RuntimeError(chunk.error)
+                if chunk.done:
+                    done = chunk
+        except grpc.RpcError as exc:
+            self.forget(address)
+            raise from_grpc_error(exc) from exc
+        if done is None:
+            raise RuntimeError(f"prefill worker {address} ended without finishing")
+        top = [(t.token_id, t.logprob, t.rank) for t in done.first_logprobs.top]
+        return PrefillResult(
+            done.first_token_id,
+            done.first_logprobs.chosen.logprob,
+            top,
+            done.cached_tokens,
+            done.prefill_seconds,
+            done.transfer_seconds,
+            done.bytes,
+            done.num_blocks,
+            done.lease_id,
+        )
+
+    async def release(self, address: str, lease_id: str) -> None:
+        try:
+            await self._stub(address).ReleaseKv(
+                worker_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5.0
+            )
+        except grpc.RpcError:
+            pass  # the lease runs out on its own
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

@@ -1,0 +1,181 @@
+"""The decode worker's side of a KV handoff, free of gRPC (the prefill client
+is handed in).
+
+The decode worker owns the request: it reserves blocks for the prompt
+(skipping the ones its prefix cache holds), asks the prefill worker to fill
+them over the transport that suits the pair, waits until every layer landed,
+and commits the prefill's first token. If anything in the handoff fails, the
+reservation is dropped and the request is prefilled here instead, so a dead
+prefill worker costs time, never the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine import AsyncLLM, SamplingParams
+from engine.sequence import Logprob
+from services.common.kv_transport.registry import choose_transport, make_receiver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class HandoffTiming:
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+    transfer_blocks: int = 0
+    skipped_blocks: int = 0
+    prefill_worker_id: str = ""
+    transport: str = ""
+    committed_at: float | None = None
+    fell_back: str = ""  # why the request was prefilled here after all
+
+
+class ReceiverSet:
+    """One receiver per transport, made on first use over the engine's KV cache."""
+
+    def __init__(self, kv_caches, host: str):
+        self.kv_caches, self.host = kv_caches, host
+        self._receivers: dict[str, object] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, name: str):
+        async with self._lock:
+            if name not in self._receivers:
+                receiver = make_receiver(name, self.kv_caches, self.host)
+                start = getattr(receiver, "start", None)
+                if start is not None:
+                    await start()
+                self._receivers[name] = receiver
+            return self._receivers[name]
+
+    async def close(self) -> None:
+        for receiver in self._receivers.values():
+            await receiver.close()
+
+
+class RemotePrefill:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        client,
+        endpoint: dict,
+        worker_id: str,
+        lease_seconds: float = 30.0,
+        timeout: float = 120.0,
+    ):
+        self.engine = engine
+        self.client = client
+        self.endpoint = endpoint  # this worker: host, device, transports
+        self.worker_id = worker_id
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self.receivers = ReceiverSet(engine.engine.runner.kv_caches, endpoint["host"])
+        self.num_layers = engine.engine.model_config.num_hidden_layers
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefill_address: str,
+        *,
+        tenant: str = "",
+        priority: int = 0,
+    ) -> HandoffTiming:
+        """Adds the request to the engine, with its prompt KV from `prefill_address`
+        when the handoff works, else to be prefilled locally. Outputs then flow on
+        the request's stream (open it first)."""
+        timing = HandoffTiming()
+        start = time.monotonic()
+        reservation = await self.engine.call(
+            lambda e: e.reserve_remote(
+                request_id, prompt_ids, params, priority=priority, namespace=tenant, delta=True
+            )
+        )
+        timing.queue_seconds = time.monotonic() - start
+        if reservation is None:
+            timing.fell_back = "no free blocks to reserve"
+            await self._local(request_id, prompt_ids, params, tenant, priority)
+            return timing
+        timing.skipped_blocks = reservation.skip_blocks
+        # Each attempt gets its own id on the wire: a retried or migrated request must
+        # never meet the leftovers of an earlier attempt in a transport or engine.
+        transfer_id = f"{request_id}/{self.worker_id}/{uuid.uuid4().hex[:8]}"
+        receiver = None
+        try:
+            remote = await self.client.info(prefill_address)
+            timing.prefill_worker_id = remote["worker_id"]
+            timing.transport = choose_transport(self.endpoint, remote)
+            receiver = await self.receivers.get(timing.transport)
+            receiver.expect(transfer_id, reservation.dst_block_ids, self.num_layers)
+            asked = time.monotonic()
+            result = await self.client.prefill(
+                prefill_address,
+                request_id=transfer_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                tenant=tenant,
+                priority=priority,
+                skip_blocks=reservation.skip_blocks,
+                dst_block_ids=reservation.dst_block_ids,
+                transport=timing.transport,
+                target=receiver.target(),
+                lease_seconds=self.lease_seconds,
+                decode_worker_id=self.worker_id,
+                timeout=self.timeout,
+            )
+            if hasattr(receiver, "mark_done"):
+                receiver.mark_done(transfer_id, None)
+            await receiver.wait(transfer_id, self.timeout)
+        except Exception as exc:
+            if receiver is not None:
+                receiver.cancel(transfer_id)
+            logger.warning(
+                "handoff of %s from %s failed (%s); prefilling here",
+                request_id,
+                prefill_address,
+                exc,
+            )
+            await self.engine.call(lambda e: e.abort_request(request_id))
+            timing.fell_back = str(exc)
+            await self._local(request_id, prompt_ids, params, tenant, priority)
+            return timing
+        timing.prefill_seconds = result.prefill_seconds
+        timing.transfer_seconds = max(0.0, time.monotonic() - asked - result.prefill_seconds)
+        timing.transfer_bytes, timing.transfer_blocks = result.transfer_bytes, result.num_blocks
+        top = None
+        if params.logprobs is not None:
+            top = {t: Logprob(lp, r) for t, lp, r in result.top_logprobs}
+            top.setdefault(result.first_token_id, Logprob(result.first_logprob, 0))
+        await self.engine.call(
+            lambda e: e.commit_remote(request_id, result.first_token_id, result.first_logprob, top)
+        )
+        timing.committed_at = time.monotonic()
+        asyncio.get_running_loop().create_task(
+            self.client.release(prefill_address, result.lease_id)
+        )
+        return timing
+
+    async def _local(self, request_id, prompt_ids, params, tenant, priority) -> None:
+        await self.engine.call(
+            lambda e: e.add_request(
+                request_id,
+                prompt_ids,
+                params,
+                priority=priority,
+                namespace=tenant,
+                prompt_token_ids=prompt_ids,
+                delta=True,
+            )
+        )
+
+    async def close(self) -> None:
+        await self.receivers.close()

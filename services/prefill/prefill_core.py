@@ -1,0 +1,159 @@
+"""The prefill worker's core, free of gRPC: one handoff from request to done."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import AsyncLLM, SamplingParams
+from engine.disaggregation import Handoff
+from services.common.kv_transport.base import KvSender, LayerPlan, TransferError
+
+
+class TransportHandoff(Handoff):
+    """Feeds the engine's per-layer hook into a transport sender."""
+
+    def __init__(
+        self,
+        sender: KvSender,
+        target: bytes,
+        request_id: str,
+        dst_block_ids: list[int],
+        skip_blocks: int,
+        num_layers: int,
+    ):
+        super().__init__(skip_blocks)
+        self.sender, self.target = sender, target
+        self.request_id, self.dst = request_id, dst_block_ids
+        self.num_layers = num_layers
+        self.plan: LayerPlan | None = None
+        self.error: str | None = None
+
+    def start(self, src_block_ids: list[int]) -> None:
+        if len(src_block_ids) != len(self.dst):
+            self.error = (
+                f"prefill holds {len(src_block_ids)} prompt blocks past the skipped "
+                f"ones; the decode side reserved {len(self.dst)}"
+            )
+            return
+        self.plan = LayerPlan(self.request_id, list(src_block_ids), self.dst, self.num_layers)
+        try:
+            self.sender.begin(self.plan, self.target)
+        except Exception as exc:  # reported when the handoff is flushed
+            self.error = f"transport {self.sender.name}: {exc!r}"
+            self.plan = None
+
+    def send_layer(self, layer: int, cache_layer) -> None:
+        if self.plan is not None and self.error is None:
+            try:
+                self.sender.send_layer(self.request_id, layer, cache_layer)
+            except Exception as exc:
+                self.error = f"transport {self.sender.name}: {exc!r}"
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: float
+    top_logprobs: list[tuple[int, float, int]]
+    cached_tokens: int
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+    num_blocks: int
+    lease_id: str
+
+
+class PrefillCore:
+    def __init__(self, engine: AsyncLLM, sender_for: Callable[[str], KvSender]):
+        self.engine = engine
+        self.sender_for = sender_for  # transport name -> its sender
+        self.num_layers = engine.engine.model_config.num_hidden_layers
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        transport: str,
+        target: bytes,
+        dst_block_ids: list[int],
+        skip_blocks: int,
+        tenant: str = "",
+        priority: int = 0,
+        lease_seconds: float = 30.0,
+        timeout: float = 120.0,
+    ) -> PrefillResult:
+        """Computes the prompt, sends blocks skip_blocks.. to `dst_block_ids`, and
+        returns the first token once every block has landed."""
+        sender = self.sender_for(transport)
+        handoff = TransportHandoff(
+            sender, target, request_id, dst_block_ids, skip_blocks, self.num_layers
+        )
+        first_params = params.clone(max_tokens=1, min_tokens=0, stop=[])
+        stream = self.engine.open_stream(request_id)
+        start = time.monotonic()
+        final = None
+        try:
+            await self.engine.call(
+                lambda e: e.add_request(
+                    request_id,
+                    prompt_ids,
+                    first_params,
+                    priority=priority,
+                    namespace=tenant,
+                    prompt_token_ids=prompt_ids,
+                    delta=True,
+                    handoff=handoff,
+                    hold_seconds=lease_seconds,
+                )
+            )
+            async for out in stream:
+                final = out
+        except BaseException:  # the decode side went away: nothing may stay behind
+            self.engine.abort(request_id)
+            sender.abort(request_id)
+            raise
+        prefill_seconds = time.monotonic() - start
+        if final is None or final.error or not final.outputs[0].token_ids:
+            sender.abort(request_id)
+            await self.release(request_id)
+            raise TransferError(f"prefill failed: {final.error if final else 'no output'}")
+        if handoff.error is not None or handoff.plan is None:
+            sender.abort(request_id)
+            await self.release(request_id)
+            raise TransferError(handoff.error or "the prompt's KV was never sent")
+        try:
+            stats = await sender.flush(request_id, timeout)
+        except Exception:
+            await self.release(request_id)
+            raise
+        completion = final.outputs[0]
+        token = completion.token_ids[0]
+        logprob, top = 0.0, []
+        if completion.logprobs:
+            entry = completion.logprobs[0]
+            logprob = entry[token].logprob
+            top = sorted(
+                (
+                    (t, v.logprob, v.rank)
+                    for t, v in entry.items()
+                    if v.rank <= (params.logprobs or 0)
+                ),
+                key=lambda x: x[2],
+            )
+        return PrefillResult(
+            token,
+            logprob,
+            top,
+            final.num_cached_tokens,
+            prefill_seconds,
+            stats.seconds,
+            stats.bytes,
+            len(handoff.plan.src_block_ids),
+            lease_id=request_id,
+        )
+
+    async def release(self, lease_id: str) -> bool:
+        return await self.engine.call(lambda e: e.disagg.release(e, lease_id))

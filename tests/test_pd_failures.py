@@ -1,0 +1,137 @@
+"""A dying worker in a disaggregated mesh: streams migrate without repeating
+or losing a token, leases are released, a dead prefill worker costs time but
+no request."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+from test_hf_parity import random_prompts
+from test_pd_mesh import metric_sum
+
+from engine import LLM, SamplingParams
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+
+MAX_TOKENS = 300
+
+
+def stream(url: str, prompt, results: dict, key, started: threading.Event) -> None:
+    text, error, chunks = "", None, 0
+    try:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": "tiny-llama",
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    error = payload["error"]["message"]
+                    continue
+                text += payload["choices"][0]["text"]
+                chunks += 1
+                if chunks >= 3:
+                    started.set()
+    except httpx.HTTPError as exc:
+        error = f"transport: {exc}"
+    results[key] = (text, error)
+
+
+def spec(model_dir, **kw) -> MeshSpec:
+    return MeshSpec(
+        model=str(model_dir("tiny-llama")),
+        workers=0,
+        prefill=1,
+        decode=2,
+        port=free_port(),
+        engine_argv=["--device", "cpu"],
+        scheduler_argv=["--disagg-min-tokens", "1", "--heartbeat-timeout", "1.5"],
+        **kw,
+    )
+
+
+def run_streams(mesh, prompts, kill: str, wait_started: int, delay: float = 0.0):
+    results: dict = {}
+    events = [threading.Event() for _ in prompts]
+    threads = [
+        threading.Thread(target=stream, args=(mesh.url, p, results, i, events[i]))
+        for i, p in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(e.is_set() for e in events) < wait_started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(delay)
+    mesh.kill(kill)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a stream hung after the kill"
+    return results, time.monotonic() - killed_at
+
+
+def test_decode_worker_death_migrates_streams(model_dir):
+    prompts = random_prompts(500, [20 + 7 * i for i in range(32)], seed=101)
+    expected = [
+        o.outputs[0].text
+        for o in LLM(model_dir("tiny-llama"), device="cpu").generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        )
+    ]
+    with Mesh(spec(model_dir, role_argv={"decode": ["--kv-lease-seconds", "3"]})) as mesh:
+        results, elapsed = run_streams(mesh, prompts, "decode-0", wait_started=8)
+        for i in range(len(prompts)):
+            text, error = results[i]
+            assert error is None, f"stream {i}: {error}"  # within the migration budget
+            assert text == expected[i], f"stream {i} differs from a clean run"
+        assert elapsed < 120
+        # The prefill worker's blocks held for the dead decode worker are released
+        # once their leases run out.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if metric_sum(mesh, "yinian:kv_cache_usage_ratio", role="prefill") == 0:
+                break
+            time.sleep(0.5)
+        assert metric_sum(mesh, "yinian:kv_cache_usage_ratio", role="prefill") == 0
+
+
+def test_prefill_worker_death_costs_no_request(model_dir):
+    prompts = random_prompts(500, [900 + 37 * i for i in range(16)], seed=102)
+    expected = [
+        o.outputs[0].text
+        for o in LLM(model_dir("tiny-llama"), device="cpu").generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        )
+    ]
+    with Mesh(spec(model_dir)) as mesh:
+        # Killed while the prompts are still being prefilled (or about to be).
+        results, _ = run_streams(mesh, prompts, "prefill-0", wait_started=0, delay=0.3)
+        for i in range(len(prompts)):
+            text, error = results[i]
+            if error is None:
+                assert text == expected[i]
+            else:  # a clear cause, never a silent hang
+                assert error
+        assert sum(1 for t, e in results.values() if e is None) == len(prompts)
+        assert metric_sum(mesh, "yinian:kv_handoff_fallbacks_total") >= 1
+        after = httpx.post(
+            f"{mesh.url}/v1/completions",
+            timeout=60,
+            json={"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 4, "temperature": 0},
+        )
+        assert after.status_code == 200
