@@ -108,11 +108,18 @@ def run_transformers(
     dtype = options.get("dtype", "auto")
     attn = peer.get("attn_implementation") or _attn_implementation(transformers)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(
-            model,
-            dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-            attn_implementation=attn,
-        ).to(device)
+        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        if peer.get("random_weights"):  # a folder without weights (our dummy load format)
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model)
+            with torch.device(device):
+                hf = AutoModelForCausalLM.from_config(
+                    config, dtype=torch_dtype, attn_implementation=attn)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch_dtype, attn_implementation=attn
+            ).to(device)
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
         return {"error": f"loading {model} in transformers failed: {type(exc).__name__}: {exc}"}
     if not hasattr(hf, "generate_batch"):

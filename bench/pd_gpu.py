@@ -37,6 +37,7 @@ from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 LENGTHS = (1024, 8192, 32768)
+VOCAB = 500  # prompt ids below every preset's vocabulary
 
 
 def workers(mesh: Mesh) -> dict[str, scheduler_pb2.WorkerInfo]:
@@ -82,7 +83,7 @@ def ttft_breakdown(decode_stub, prefill_address: str, length: int, runs: int, se
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(runs + 1):  # the first run warms this length up
-        prompt = torch.randint(0, 120000, (length,), generator=g).tolist()
+        prompt = torch.randint(0, VOCAB, (length,), generator=g).tolist()
         out = generate(decode_stub, f"pd-{length}-{i}", prompt, "pd", prefill_address)
         t = out["timings"]
         rows.append(
@@ -126,8 +127,8 @@ def ttft_breakdown(decode_stub, prefill_address: str, length: int, runs: int, se
 def equality(decode_stub, prefill_address: str, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i, length in enumerate((1, 200, 1500, 9000)):
-        prompt = torch.randint(0, 120000, (length,), generator=g).tolist()
+    for i, length in enumerate((1, 200, 1500, 3000)):
+        prompt = torch.randint(0, VOCAB, (length,), generator=g).tolist()
         split = generate(decode_stub, f"eq-pd-{i}", prompt, "split", prefill_address, 24)
         local = generate(decode_stub, f"eq-local-{i}", prompt, "local", "", 24)
         out.append(
@@ -146,15 +147,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--device", default="cuda")  # cpu: a dry run of the script itself
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     args = parser.parse_args()
+    cuda = args.device == "cuda"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"ceilings": measure()}
+    no_gpu = {"copy_gbps": 1.0, "matmul_bf16_tflops": 1.0}
+    results: dict = {"ceilings": measure() if cuda else no_gpu}
 
     def save():
         (out / "pd.json").write_text(json.dumps(results, indent=2, default=str))
 
     try:
+        if not cuda:
+            raise RuntimeError("skipped: no GPU")
         from bench.kv_transfer_gpu import run as transfer_run
 
         results["transfer"] = transfer_run(results["ceilings"])
@@ -162,36 +170,18 @@ def main() -> None:
         results["transfer"] = {"error": traceback.format_exc()}
         print(results["transfer"]["error"], flush=True)
     save()
-    folder = write_model(
-        Path(tempfile.mkdtemp()) / "llama3-8b", preset_config("llama3-8b"), weights=False
-    )
-    engine = [
-        "--device",
-        "cuda",
-        "--dtype",
-        "bfloat16",
-        "--load-format",
-        "dummy",
-        "--max-model-len",
-        "40960",
-        "--max-num-batched-tokens",
-        "8192",
-        "--max-num-seqs",
-        "64",
-    ]
+    folder = write_model(Path(tempfile.mkdtemp()) / args.preset, preset_config(args.preset),
+                         weights=False)
+    engine = ["--device", args.device, "--load-format", "dummy",
+              "--max-num-batched-tokens", "8192", "--max-num-seqs", "64"]
+    if cuda:
+        engine += ["--dtype", "bfloat16", "--max-model-len", "40960"]
     spec = MeshSpec(
-        model=str(folder),
-        workers=0,
-        prefill=1,
-        decode=1,
-        port=free_port(),
-        engine_argv=engine,
-        scheduler_argv=["--disagg-min-tokens", "1"],
-        worker_argv=["--kv-transports", "cuda_ipc,tcp"],
-        role_argv={
-            "prefill": ["--num-gpu-blocks", "12000"],
-            "decode": ["--num-gpu-blocks", "16000"],
-        },
+        model=str(folder), workers=0, prefill=1, decode=1, port=free_port(),
+        engine_argv=engine, scheduler_argv=["--disagg-min-tokens", "1"],
+        worker_argv=["--kv-transports", "cuda_ipc,tcp" if cuda else "tcp"],
+        role_argv={"prefill": ["--num-gpu-blocks", "12000"],
+                   "decode": ["--num-gpu-blocks", "16000"]},
     )
     mesh = Mesh(spec).start(timeout=900)
     try:
@@ -204,11 +194,10 @@ def main() -> None:
             results["equality"] = {"error": traceback.format_exc()}
         save()
         results["ttft"] = []
-        for length in LENGTHS:
+        for length in map(int, args.lengths.split(",")):
             try:
                 results["ttft"].append(
-                    ttft_breakdown(decode, prefill_address, length, args.runs, seed=length)
-                )
+                    ttft_breakdown(decode, prefill_address, length, args.runs, seed=length))
             except Exception:
                 results["ttft"].append({"length": length, "error": traceback.format_exc()})
             save()

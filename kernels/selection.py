@@ -13,6 +13,8 @@ captured shape up first) nor on CPU, where the first candidate is used.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -76,11 +78,38 @@ class _DiskCache:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
         self.path = cache_dir() / f"{safe}__triton-{triton_version()}.json"
         self.data: dict[str, dict[str, dict]] = {}
-        if self.path.is_file():
+        self.reload()
+
+    def reload(self) -> None:
+        """Merges in what other processes wrote since (they may have tuned meanwhile)."""
+        if not self.path.is_file():
+            return
+        try:
+            disk = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            logger.warning("ignoring unreadable kernel cache %s", self.path)
+            return
+        with self._lock:
+            for op, buckets in disk.items():
+                self.data.setdefault(op, {}).update(buckets)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Holds the cache's lock file: one process of a machine tunes a bucket, the
+        others wait and take its choice, so workers sharing a device (a prefill and
+        a decode worker) run the same kernel configurations and agree bit for bit."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path.with_suffix(".lock"), "a+")
+        except OSError:
+            yield
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                self.data = json.loads(self.path.read_text())
-            except (OSError, json.JSONDecodeError):
-                logger.warning("ignoring unreadable kernel cache %s", self.path)
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def get(self, op: str, bucket: str) -> Candidate | None:
         entry = self.data.get(op, {}).get(bucket)
@@ -172,9 +201,15 @@ class Selector:
             if not tunable or _capturing(device):
                 found, how = self.candidates[0], "default"
             else:
-                found, ms = self._tune(args)
-                cache.put(self.op, bucket, found, ms)
-                how = f"tuned, {ms:.4f} ms"
+                with cache.exclusive():
+                    cache.reload()
+                    found = cache.get(self.op, bucket)
+                    if found is not None and found in self.candidates:
+                        how = "cached by another process"
+                    else:
+                        found, ms = self._tune(args)
+                        cache.put(self.op, bucket, found, ms)
+                        how = f"tuned, {ms:.4f} ms"
         self._memo[key] = found
         logger.debug(
             "kernel %s on %s bucket %s -> %s %s (%s)",
