@@ -115,7 +115,8 @@ def run_transformers(
             config = AutoConfig.from_pretrained(model)
             with torch.device(device):
                 hf = AutoModelForCausalLM.from_config(
-                    config, dtype=torch_dtype, attn_implementation=attn)
+                    config, dtype=torch_dtype, attn_implementation=attn
+                )
         else:
             hf = AutoModelForCausalLM.from_pretrained(
                 model, dtype=torch_dtype, attn_implementation=attn

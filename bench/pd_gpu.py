@@ -170,18 +170,34 @@ def main() -> None:
         results["transfer"] = {"error": traceback.format_exc()}
         print(results["transfer"]["error"], flush=True)
     save()
-    folder = write_model(Path(tempfile.mkdtemp()) / args.preset, preset_config(args.preset),
-                         weights=False)
-    engine = ["--device", args.device, "--load-format", "dummy",
-              "--max-num-batched-tokens", "8192", "--max-num-seqs", "64"]
+    folder = write_model(
+        Path(tempfile.mkdtemp()) / args.preset, preset_config(args.preset), weights=False
+    )
+    engine = [
+        "--device",
+        args.device,
+        "--load-format",
+        "dummy",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-num-seqs",
+        "64",
+    ]
     if cuda:
         engine += ["--dtype", "bfloat16", "--max-model-len", "40960"]
     spec = MeshSpec(
-        model=str(folder), workers=0, prefill=1, decode=1, port=free_port(),
-        engine_argv=engine, scheduler_argv=["--disagg-min-tokens", "1"],
+        model=str(folder),
+        workers=0,
+        prefill=1,
+        decode=1,
+        port=free_port(),
+        engine_argv=engine,
+        scheduler_argv=["--disagg-min-tokens", "1"],
         worker_argv=["--kv-transports", "cuda_ipc,tcp" if cuda else "tcp"],
-        role_argv={"prefill": ["--num-gpu-blocks", "12000"],
-                   "decode": ["--num-gpu-blocks", "16000"]},
+        role_argv={
+            "prefill": ["--num-gpu-blocks", "12000"],
+            "decode": ["--num-gpu-blocks", "16000"],
+        },
     )
     mesh = Mesh(spec).start(timeout=900)
     try:
@@ -197,7 +213,8 @@ def main() -> None:
         for length in map(int, args.lengths.split(",")):
             try:
                 results["ttft"].append(
-                    ttft_breakdown(decode, prefill_address, length, args.runs, seed=length))
+                    ttft_breakdown(decode, prefill_address, length, args.runs, seed=length)
+                )
             except Exception:
                 results["ttft"].append({"length": length, "error": traceback.format_exc()})
             save()

@@ -30,8 +30,14 @@ from engine.make_model import preset_config, write_model
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
-ENGINE = {"dtype": "bfloat16", "device": "cuda", "load_format": "dummy", "max_num_seqs": 256,
-          "max_num_batched_tokens": 8192, "max_model_len": 4096}
+ENGINE = {
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "load_format": "dummy",
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 4096,
+}
 
 
 def main() -> None:
@@ -46,26 +52,61 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"ceilings": measure()}
     save = lambda: (out / "serve.json").write_text(json.dumps(results, indent=2, default=str))  # noqa: E731
-    folder = write_model(Path(tempfile.mkdtemp()) / "llama3-8b", preset_config("llama3-8b"),
-                         weights=False)
+    folder = write_model(
+        Path(tempfile.mkdtemp()) / "llama3-8b", preset_config("llama3-8b"), weights=False
+    )
     tok = load_tokenizer(folder)
     requests = random_requests(tok, args.num_prompts, 1024, 128, seed=0, prompt_format="ids")
     if "serve" not in args.skip:
-        argv = ["--device", "cuda", "--dtype", "bfloat16", "--load-format", "dummy",
-                "--max-num-seqs", "256", "--max-model-len", "4096"]
+        argv = [
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--load-format",
+            "dummy",
+            "--max-num-seqs",
+            "256",
+            "--max-model-len",
+            "4096",
+        ]
         spec = MeshSpec(model=str(folder), workers=1, port=free_port(), engine_argv=argv)
         mesh = Mesh(spec).start(timeout=600)
         try:
             from bench.cli import run as bench_run
 
             start = time.monotonic()
-            rc = bench_run(["serve", "--base-url", mesh.url, "--model", str(folder),
-                            "--model-name", "llama3-8b", "--dataset-name", "random",
-                            "--num-prompts", str(args.prompts_per_rate),
-                            "--random-input-len", "1024", "--random-output-len", "128",
-                            "--prompt-format", "ids", "--request-rates", args.rates,
-                            "--goodput", "ttft:200", "tpot:50", "--disable-tqdm",
-                            "--result-dir", str(out), "--result-filename", "sweep.json"])
+            rc = bench_run(
+                [
+                    "serve",
+                    "--base-url",
+                    mesh.url,
+                    "--model",
+                    str(folder),
+                    "--model-name",
+                    "llama3-8b",
+                    "--dataset-name",
+                    "random",
+                    "--num-prompts",
+                    str(args.prompts_per_rate),
+                    "--random-input-len",
+                    "1024",
+                    "--random-output-len",
+                    "128",
+                    "--prompt-format",
+                    "ids",
+                    "--request-rates",
+                    args.rates,
+                    "--goodput",
+                    "ttft:200",
+                    "tpot:50",
+                    "--disable-tqdm",
+                    "--result-dir",
+                    str(out),
+                    "--result-filename",
+                    "sweep.json",
+                ]
+            )
             results["serve_rc"] = rc
             results["serve_seconds"] = time.monotonic() - start
         finally:
@@ -73,16 +114,36 @@ def main() -> None:
         sweep = json.loads((out / "sweep-sweep.json").read_text())
         rows = []
         for r in sweep["runs"]:
-            rows.append({k: r.get(k) for k in (
-                "request_rate", "completed", "failed", "request_throughput",
-                "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-                "p99_tpot_ms", "request_goodput")})
+            rows.append(
+                {
+                    k: r.get(k)
+                    for k in (
+                        "request_rate",
+                        "completed",
+                        "failed",
+                        "request_throughput",
+                        "output_throughput",
+                        "median_ttft_ms",
+                        "p99_ttft_ms",
+                        "median_tpot_ms",
+                        "p99_tpot_ms",
+                        "request_goodput",
+                    )
+                }
+            )
         results["sweep"] = rows
-        ok = [r for r in rows if r["failed"] == 0 and r["p99_ttft_ms"] is not None
-              and r["p99_ttft_ms"] <= 200 and r["p99_tpot_ms"] <= 50]
+        ok = [
+            r
+            for r in rows
+            if r["failed"] == 0
+            and r["p99_ttft_ms"] is not None
+            and r["p99_ttft_ms"] <= 200
+            and r["p99_tpot_ms"] <= 50
+        ]
         results["max_rate_within_slo"] = max(
-            (float(r["request_rate"]) if r["request_rate"] != "inf" else float("inf")
-             for r in ok), default=None)
+            (float(r["request_rate"]) if r["request_rate"] != "inf" else float("inf") for r in ok),
+            default=None,
+        )
         save()
     if "offline" not in args.skip:
         try:
@@ -92,15 +153,19 @@ def main() -> None:
             print(results["offline_error"], flush=True)
         save()
     if "peer" not in args.skip:
-        peer = run_transformers(str(folder), [r.prompt for r in requests],
-                                [r.output_len for r in requests],
-                                {"dtype": "bfloat16", "device": "cuda"},
-                                {"random_weights": True})
+        peer = run_transformers(
+            str(folder),
+            [r.prompt for r in requests],
+            [r.output_len for r in requests],
+            {"dtype": "bfloat16", "device": "cuda"},
+            {"random_weights": True},
+        )
         results["transformers"] = peer
         ours = results.get("engine")
         if ours and "error" not in peer:
             results["ratio_output_tokens_per_s"] = (
-                ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
+                ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+            )
         save()
     print_table(results)
 
@@ -108,20 +173,26 @@ def main() -> None:
 def print_table(results: dict) -> None:
     e, p = results.get("engine"), results.get("transformers")
     if e:
-        print(f"engine offline 1000x1024->128: {e['output_tokens_per_s']:.0f} out tok/s, "
-              f"{e['total_tokens_per_s']:.0f} total tok/s")
+        print(
+            f"engine offline 1000x1024->128: {e['output_tokens_per_s']:.0f} out tok/s, "
+            f"{e['total_tokens_per_s']:.0f} total tok/s"
+        )
     if p:
         print("transformers:", {k: p.get(k) for k in ("output_tokens_per_s", "error")})
     print("ratio:", results.get("ratio_output_tokens_per_s"))
     print("| rate | done | fail | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results.get("sweep", []):
-        print(f"| {r['request_rate']} | {r['completed']} | {r['failed']} | "
-              f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
-              f"{r['median_ttft_ms']} | {r['p99_ttft_ms']} | {r['median_tpot_ms']} | "
-              f"{r['p99_tpot_ms']} |")
-    print("max rate within TTFT p99 <= 200 ms and TPOT p99 <= 50 ms:",
-          results.get("max_rate_within_slo"))
+        print(
+            f"| {r['request_rate']} | {r['completed']} | {r['failed']} | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
+            f"{r['median_ttft_ms']} | {r['p99_ttft_ms']} | {r['median_tpot_ms']} | "
+            f"{r['p99_tpot_ms']} |"
+        )
+    print(
+        "max rate within TTFT p99 <= 200 ms and TPOT p99 <= 50 ms:",
+        results.get("max_rate_within_slo"),
+    )
 
 
 if __name__ == "__main__":

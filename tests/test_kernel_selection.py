@@ -42,10 +42,12 @@ def make_selector(calls: list, timer=wall_timer) -> Selector:
         raise RuntimeError("out of resources")
 
     return Selector(
-        "toy", {"slow": slow, "broken": broken, "fast": fast},
+        "toy",
+        {"slow": slow, "broken": broken, "fast": fast},
         {"slow": [{"delay": 0.02}, {"delay": 0.01}], "fast": [{"scale": 1}]},
         bucket=lambda x: (selection.next_power_of_2(x.shape[0]), str(x.dtype)),
-        timer=timer, tune_on_cpu=True,
+        timer=timer,
+        tune_on_cpu=True,
     )
 
 
@@ -56,8 +58,9 @@ def test_tunes_once_per_bucket_and_remembers_on_disk(fresh_cache, caplog):
     with caplog.at_level(logging.DEBUG, logger="yinian.kernels"):
         assert torch.equal(sel(x), x + 1)
     assert sel.choose(x) == Candidate("fast", (("scale", 1),))
-    assert "kernel toy on cpu bucket (8, 'torch.float32') -> fast {'scale': 1} (tuned" \
-        in caplog.text
+    assert (
+        "kernel toy on cpu bucket (8, 'torch.float32') -> fast {'scale': 1} (tuned" in caplog.text
+    )
     files = list(fresh_cache.glob("cpu__triton-*.json"))
     assert len(files) == 1 and selection.triton_version() in files[0].name
     stored = json.loads(files[0].read_text())["toy"]["(8, 'torch.float32')"]
@@ -88,16 +91,16 @@ def test_a_choice_another_process_made_meanwhile_wins(fresh_cache):
     sel.choose(torch.ones(100))  # loads this process's view of the cache file
     path = next(fresh_cache.glob("cpu__*.json"))
     data = json.loads(path.read_text())
-    data["toy"]["(2, 'torch.float32')"] = {"variant": "slow", "config": {"delay": 0.01},
-                                          "ms": 0.0}
+    data["toy"]["(2, 'torch.float32')"] = {"variant": "slow", "config": {"delay": 0.01}, "ms": 0.0}
     path.write_text(json.dumps(data))
     assert sel.choose(x) == Candidate("slow", (("delay", 0.01),))
 
 
 def test_on_cpu_without_tuning_the_first_candidate_is_used(caplog):
     calls: list = []
-    sel = Selector("plain", {"a": lambda x: x, "b": lambda x: -x}, {},
-                   bucket=lambda x: (x.shape[0],))
+    sel = Selector(
+        "plain", {"a": lambda x: x, "b": lambda x: -x}, {}, bucket=lambda x: (x.shape[0],)
+    )
     with caplog.at_level(logging.DEBUG, logger="yinian.kernels"):
         out = sel(torch.ones(2))
     assert torch.equal(out, torch.ones(2)) and not calls

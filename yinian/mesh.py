@@ -151,15 +151,15 @@ class Mesh:
             )
             self._wait([scheduler], deadline)
             roles = [
-                ("worker", "colocated", self.spec.workers),
-                ("prefill", "prefill", self.spec.prefill),
-                ("decode", "decode", self.spec.decode),
+                ("worker", "colocated", "decode", self.spec.workers),
+                ("prefill", "prefill", "prefill", self.spec.prefill),
+                ("decode", "decode", "decode", self.spec.decode),
             ]
             workers = [
                 self._spawn(
-                    f"{prefix}-{i}", "services.decode", self.worker_args(f"{prefix}-{i}", role)
+                    f"{prefix}-{i}", f"services.{module}", self.worker_args(f"{prefix}-{i}", role)
                 )
-                for prefix, role, count in roles
+                for prefix, role, module, count in roles
                 for i in range(count)
             ]
             gateway = self._spawn(

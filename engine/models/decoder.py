@@ -133,6 +133,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
         # Called with a layer's index right after it ran (KV handoff), when set.
         self.layer_hook = None
+        self._fp32_logits = True
 
     def forward(
         self,
@@ -153,6 +154,14 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits. On CUDA with 16-bit weights the product accumulates into
+        float32 directly, so two candidates are not tied merely because their logits
+        round to the same bf16 value (greedy choices then compare across kernels)."""
+        if hidden.is_cuda and hidden.dtype != torch.float32 and self._fp32_logits:
+            try:
+                return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # an older torch: round through bf16
+                self._fp32_logits = False
         return F.linear(hidden, self.lm_head).float()
 
     def expert_load(self) -> torch.Tensor | None:

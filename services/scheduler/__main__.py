@@ -10,6 +10,7 @@ import sys
 from proto.yinian.v1 import common_pb2, scheduler_pb2_grpc
 from services.common import metrics
 from services.common.bus import EventBus, kv_subject, load_subject
+from services.common.entry import run_service
 from services.common.grpc_server import GrpcServer
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.scheduler.config import SchedulerConfig, parse
@@ -82,18 +83,7 @@ async def run(config: SchedulerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    config = parse(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(run(config))
-    return 0
+    return run_service(run(parse(argv)))
 
 
 if __name__ == "__main__":
