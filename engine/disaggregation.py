@@ -29,7 +29,6 @@ class Handoff:
 
     def __init__(self, skip_blocks: int = 0):
         self.skip_blocks = skip_blocks
-        self.started = False
 
     def start(self, src_block_ids: list[int]) -> None:  # pragma: no cover - interface
         raise NotImplementedError
