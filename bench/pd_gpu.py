@@ -57,8 +57,11 @@ def generate(
     tenant: str,
     prefill_address: str = "",
     max_tokens: int = 8,
+    logprobs: int | None = None,
 ) -> dict:
     params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if logprobs is not None:
+        params.logprobs = logprobs
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
@@ -67,16 +70,17 @@ def generate(
         prefill_address=prefill_address,
     )
     start = time.perf_counter()
-    ttft, tokens, timings = None, [], None
+    ttft, tokens, timings, tops = None, [], None, []
     for chunk in stub.Generate(request, timeout=600):
         if chunk.error:
             raise RuntimeError(chunk.error)
         if chunk.token_ids and ttft is None:
             ttft = time.perf_counter() - start
         tokens += list(chunk.token_ids)
+        tops += [{t.token_id: t.logprob for t in p.top} for p in chunk.logprobs]
         if chunk.HasField("timings"):
             timings = chunk.timings
-    return {"ttft_s": ttft, "tokens": tokens, "timings": timings}
+    return {"ttft_s": ttft, "tokens": tokens, "timings": timings, "top_logprobs": tops}
 
 
 def ttft_breakdown(decode_stub, prefill_address: str, length: int, runs: int, seed: int) -> dict:
@@ -129,12 +133,22 @@ def equality(decode_stub, prefill_address: str, seed: int) -> list[dict]:
     out = []
     for i, length in enumerate((1, 200, 1500, 3000)):
         prompt = torch.randint(0, VOCAB, (length,), generator=g).tolist()
-        split = generate(decode_stub, f"eq-pd-{i}", prompt, "split", prefill_address, 24)
-        local = generate(decode_stub, f"eq-local-{i}", prompt, "local", "", 24)
+        split = generate(decode_stub, f"eq-pd-{i}", prompt, "split", prefill_address, 24, 5)
+        local = generate(decode_stub, f"eq-local-{i}", prompt, "local", "", 24, 5)
+        diverged = next(
+            (j for j, (a, b) in enumerate(zip(split["tokens"], local["tokens"])) if a != b), None
+        )
+        gap = None
+        if diverged is not None:  # the two candidates under the local run's logprobs
+            top = local["top_logprobs"][diverged] if diverged < len(local["top_logprobs"]) else {}
+            a, b = local["tokens"][diverged], split["tokens"][diverged]
+            gap = abs(top[a] - top[b]) if a in top and b in top else None
         out.append(
             {
                 "length": length,
                 "equal": split["tokens"] == local["tokens"],
+                "diverged_at": diverged,
+                "logprob_gap": gap,
                 "split": split["tokens"],
                 "local": local["tokens"],
                 "transport": split["timings"].transport,
