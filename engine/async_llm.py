@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class AsyncLLM:
         self._stopped = False
         # Only the engine thread touches the engine; others read these snapshots.
         self._stats = engine.get_stats()
+        self._stats_at, self._stale = time.monotonic(), False
         self._events = KVEvents()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -211,6 +213,8 @@ class AsyncLLM:
             if self.engine.disagg.expire(self.engine):
                 self._publish()  # freed blocks show in the next load report
             if not self.engine.has_work():
+                if self._stale:
+                    self._publish(force=True)  # the snapshot readers see while idle
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -228,8 +232,13 @@ class AsyncLLM:
                 self._deliver(out.request_id, out, out.finished)
             self._publish()
 
-    def _publish(self) -> None:
-        self._stats = self.engine.get_stats()
+    def _publish(self, force: bool = False) -> None:
+        """Refreshes the stats snapshot (at most every 50 ms: it walks every block
+        table) and hands on KV events (every time: placement wants them early)."""
+        now = time.monotonic()
+        self._stale = True
+        if force or now - self._stats_at >= 0.05:
+            self._stats, self._stats_at, self._stale = self.engine.get_stats(), now, False
         events = self.engine.drain_kv_events()
         if events.stored or events.removed:
             with self._lock:
