@@ -78,10 +78,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        self.model_config.check_token_ids(prompt_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "

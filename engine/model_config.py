@@ -62,6 +62,13 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def check_token_ids(self, token_ids) -> None:
+        """ValueError for an id that is not an int in [0, vocab_size)."""
+        vocab = self.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 

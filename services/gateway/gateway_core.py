@@ -50,10 +50,10 @@ class GatewayCore:
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: send token ids")
             return self.tokenizer.encode(prompt)
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        try:
+            self.model_config.check_token_ids(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         return list(prompt)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
