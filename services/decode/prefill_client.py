@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
+from proto.yinian.v1 import worker_pb2
+from services.common.channels import WorkerChannels
 from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
 from services.common.telemetry import grpc_metadata
@@ -13,13 +14,9 @@ from services.prefill.prefill_core import PrefillResult
 
 class PrefillClient:
     def __init__(self):
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = WorkerChannels()
+        self._stub = self._channels.stub
         self._info: dict[str, dict] = {}
-
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
-        return worker_pb2_grpc.WorkerStub(self._channels[address])
 
     async def info(self, address: str) -> dict:
         """The prefill worker's host, device and transports (cached per address)."""
@@ -106,5 +103,4 @@ class PrefillClient:
             pass  # the lease runs out on its own
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()

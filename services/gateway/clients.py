@@ -7,11 +7,11 @@ import asyncio
 
 import grpc
 
-from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.common.channels import OPTIONS as _OPTIONS
+from services.common.channels import WorkerChannels
 from services.common.errors import DeadlineExceeded, from_grpc_error
 from services.common.telemetry import grpc_metadata
-
-_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.enable_retries", 0)]
 
 
 class SchedulerClient:
@@ -54,18 +54,8 @@ class SchedulerClient:
         await self.channel.close()
 
 
-class WorkerPool:
-    """One channel per worker address, opened on first use."""
-
-    def __init__(self):
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
-            self._channels[address] = channel
-        return worker_pb2_grpc.WorkerStub(channel)
+class WorkerPool(WorkerChannels):
+    """The gateway's calls to workers."""
 
     async def generate(
         self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
@@ -89,8 +79,3 @@ class WorkerPool:
                 yield chunk
         finally:
             call.cancel()
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
