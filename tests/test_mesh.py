@@ -12,6 +12,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from mesh_metrics import list_workers, worker_metric
 from test_hf_parity import random_prompts
 
 from engine import LLM, SamplingParams
@@ -19,8 +20,6 @@ from proto.yinian.v1 import (
     common_pb2,
     inference_pb2,
     inference_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
 )
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
@@ -178,19 +177,7 @@ def test_concurrent_streams_spread_over_both_workers(mesh):
 
 
 def worker_request_counts(mesh) -> dict[str, float]:
-    channel = grpc.insecure_channel(mesh.scheduler_address)
-    workers = (
-        scheduler_pb2_grpc.SchedulerStub(channel)
-        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        .workers
-    )
-    counts = {}
-    for w in workers:
-        text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=5).text
-        for line in text.splitlines():
-            if line.startswith("yinian:worker_requests_total{"):
-                counts[w.info.worker_id] = float(line.split()[-1])
-    return counts
+    return worker_metric(mesh, "yinian:worker_requests_total")
 
 
 BAD = [
@@ -342,10 +329,7 @@ def test_client_disconnect_cancels_downstream(mesh):
 
 
 def running_requests(mesh) -> dict[str, int]:
-    channel = grpc.insecure_channel(mesh.scheduler_address)
-    workers = (
-        scheduler_pb2_grpc.SchedulerStub(channel)
-        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        .workers
-    )
-    return {w.info.worker_id: w.num_requests_running + w.num_requests_waiting for w in workers}
+    return {
+        w.info.worker_id: w.num_requests_running + w.num_requests_waiting
+        for w in list_workers(mesh)
+    }

@@ -9,8 +9,8 @@ import threading
 import time
 
 import httpx
+from mesh_metrics import metric_sum
 from test_hf_parity import random_prompts
-from test_pd_mesh import metric_sum
 
 from engine import LLM, SamplingParams
 from services.common.processes import free_port

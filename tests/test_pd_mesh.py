@@ -7,36 +7,13 @@ import time
 
 import httpx
 import pytest
+from mesh_metrics import metric_sum
 from otlp_receiver import OtlpReceiver
 from test_hf_parity import random_prompts
-from test_mesh import worker_request_counts  # noqa: F401 - shared helper
 
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-
-
-def metric_sum(mesh, name: str, role: str = "decode") -> float:
-    """Sum of a counter over the workers of one role, read from their /metrics."""
-    import grpc
-
-    from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-    channel = grpc.insecure_channel(mesh.scheduler_address)
-    workers = (
-        scheduler_pb2_grpc.SchedulerStub(channel)
-        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        .workers
-    )
-    total = 0.0
-    for w in workers:
-        if w.info.role != role:
-            continue
-        text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=5).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.split()[-1])
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,37 @@
+"""Reading the workers of a running mesh: the scheduler's list, then each
+worker's Prometheus metrics."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+
+from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def list_workers(mesh):
+    channel = grpc.insecure_channel(mesh.scheduler_address)
+    return (
+        scheduler_pb2_grpc.SchedulerStub(channel)
+        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
+        .workers
+    )
+
+
+def worker_metric(mesh, name: str, role: str | None = None) -> dict[str, float]:
+    """Per worker (of one role, if given), the sum of the samples of a metric."""
+    out: dict[str, float] = {}
+    for w in list_workers(mesh):
+        if role is not None and w.info.role != role:
+            continue
+        text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=5).text
+        out[w.info.worker_id] = sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+    return out
+
+
+def metric_sum(mesh, name: str, role: str = "decode") -> float:
+    return sum(worker_metric(mesh, name, role).values())
