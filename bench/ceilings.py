@@ -31,6 +31,16 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 
+def peer_copy_bandwidth(src: int = 0, dst: int = 1, nbytes: int = 1 << 30) -> float:
+    """GB/s of a large copy from GPU `src` to GPU `dst` (bytes moved, one direction):
+    the ceiling for KV moving between two GPUs of one host."""
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    with torch.cuda.device(src):
+        ms = _median_ms(lambda: b.copy_(a, non_blocking=True))
+    return nbytes / (ms / 1e3) / 1e9
+
+
 def matmul_tflops(n: int = 8192) -> float:
     """TFLOP/s of an n x n x n bf16 matrix product on random data."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """KV transfer between two processes on one host's GPUs: cuda_ipc against the
-device-to-device copy ceiling, and tcp (GPU -> pinned host -> loopback -> GPU)
-for comparison.
+device-to-device copy ceiling, tcp (GPU -> pinned host -> loopback -> GPU) for
+comparison, and nccl from GPU 0 to GPU 1 against the peer copy rate.
 
 A spawned receiver process owns a zeroed bf16 cache of a llama3-8b layout (32
 layers of [blocks, 2, 16, 8, 128]: 64 KiB per block and layer); this process
@@ -16,7 +16,9 @@ service sees it; back to back, with no compute to hide them, small layers are
 bound by the per-layer launch cost (about 3 torch/Triton launches). GPU: the
 engine thread first queues a sleep kernel, so every layer's copy is queued
 behind it and they run back to back; CUDA events around them time the copies
-alone. `fraction_of_copy` uses the GPU time.
+alone. `fraction_of_copy` uses the GPU time. nccl is timed on the wall only
+(first send_layer to the receiver's ack); `run_nccl` reports bytes moved per
+second as a fraction of `peer_gbps`, a torch copy GPU 0 -> GPU 1.
 
 Usage: python -m bench.kv_transfer_gpu [--out FILE]
 """
@@ -35,6 +37,7 @@ import torch.multiprocessing as mp
 
 from services.common.kv_transport.base import LayerPlan, TransferStats
 from services.common.kv_transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from services.common.kv_transport.nccl import NcclReceiver, NcclSender
 from services.common.kv_transport.tcp import TcpReceiver, TcpSender
 
 LAYERS, BLOCK_SHAPE, CACHE_BLOCKS = 32, (2, 16, 8, 128), 4096
@@ -62,13 +65,15 @@ def _receiver(conn, device: int) -> None:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     ipc, tcp = CudaIpcReceiver(caches), TcpReceiver(caches, "127.0.0.1")
+    nccl = NcclReceiver(caches, "127.0.0.1", timeout=120)
     call(tcp.start())
-    conn.send((ipc.target(), tcp.target()))
+    call(nccl.start())
+    conn.send((ipc.target(), tcp.target(), nccl.target()))
     waits = {}
     while (msg := conn.recv())[0] != "stop":
         op, *args = msg
         if op == "expect":  # (transport, request id, dst ids)
-            receiver = ipc if args[0] == "cuda_ipc" else tcp
+            receiver = {"cuda_ipc": ipc, "tcp": tcp, "nccl": nccl}[args[0]]
             receiver.expect(args[1], args[2], LAYERS)
             waits[args[1]] = asyncio.run_coroutine_threadsafe(receiver.wait(args[1], 120), loop)
             conn.send(None)
@@ -90,6 +95,7 @@ def _receiver(conn, device: int) -> None:
             torch.cuda.synchronize()
             conn.send(None)
     call(tcp.close())
+    call(nccl.close())
 
 
 def _plans(blocks: int, gen: torch.Generator) -> dict[str, tuple[list[int], list[int]]]:
@@ -174,7 +180,7 @@ def run(ceilings: dict, sizes=("small", "medium", "large"), tcp_sizes=("medium",
         proc.start()
         loop = asyncio.new_event_loop()
         try:
-            ipc_target, tcp_target = parent.recv()
+            ipc_target, tcp_target, _ = parent.recv()
             ipc, tcp = CudaIpcSender(torch.device("cuda:0")), TcpSender(loop)
             for size in sizes:
                 for label, (s, d) in _plans(SIZES[size], gen).items():
@@ -196,6 +202,34 @@ def run(ceilings: dict, sizes=("small", "medium", "large"), tcp_sizes=("medium",
                 proc.kill()
             loop.close()
     return report
+
+
+def run_nccl(peer_gbps: float, sizes=("small", "medium", "large")) -> list[dict]:
+    """nccl from this process on GPU 0 to a receiver process on GPU 1."""
+    gen = torch.Generator().manual_seed(1)
+    src = list(torch.randn((LAYERS, CACHE_BLOCKS, *BLOCK_SHAPE), device="cuda:0",
+                           dtype=torch.bfloat16).unbind(0))  # fmt: skip
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, 1))
+    proc.start()
+    loop, rows = asyncio.new_event_loop(), []
+    try:
+        *_, target = parent.recv()
+        sender = NcclSender(torch.device("cuda:0"), timeout=120)
+        for size in sizes:
+            s, d = _plans(SIZES[size], gen)["contiguous->scattered"]
+            row = _case("nccl", sender, loop, parent, src, target,
+                        f"{size} contiguous->scattered gpu0->gpu1", s, d, 0.0, REPS)  # fmt: skip
+            row["fraction_of_peer_copy"] = row["moved_gbps"] / peer_gbps if peer_gbps else None
+            rows.append(row)
+        loop.run_until_complete(sender.close())
+        parent.send(("stop",))
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        loop.close()
+    return rows
 
 
 def main() -> None:

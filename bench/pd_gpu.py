@@ -29,25 +29,20 @@ from engine.make_model import preset_config, write_model
 from proto.yinian.v1 import (
     common_pb2,
     scheduler_pb2,
-    scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import workers_by_role
 
 LENGTHS = (1024, 8192, 32768)
 VOCAB = 500  # prompt ids below every preset's vocabulary
 
 
 def workers(mesh: Mesh) -> dict[str, scheduler_pb2.WorkerInfo]:
-    channel = grpc.insecure_channel(mesh.scheduler_address)
-    listed = (
-        scheduler_pb2_grpc.SchedulerStub(channel)
-        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=10)
-        .workers
-    )
-    return {w.info.role: w.info for w in listed}
+    """role -> the first listed worker of that role."""
+    return {role: infos[0] for role, infos in workers_by_role(mesh).items()}
 
 
 def generate(

@@ -46,6 +46,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--rates", default="4,8,16,24,32,inf")
     parser.add_argument("--prompts-per-rate", type=int, default=160)
+    parser.add_argument(
+        "--peer-prompts",
+        type=int,
+        default=None,
+        help="run the peer (and the engine again, for the ratio) on the first N prompts only",
+    )
     parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
     out = Path(args.out)
@@ -153,15 +159,19 @@ def main() -> None:
             print(results["offline_error"], flush=True)
         save()
     if "peer" not in args.skip:
+        subset = requests[: args.peer_prompts or len(requests)]
+        ours = results.get("engine")
+        if len(subset) < len(requests) or ours is None:  # the engine on the peer's prompts
+            ours = results["engine_on_peer_prompts"] = run_engine(str(folder), subset, dict(ENGINE))
+            save()
         peer = run_transformers(
             str(folder),
-            [r.prompt for r in requests],
-            [r.output_len for r in requests],
+            [r.prompt for r in subset],
+            [r.output_len for r in subset],
             {"dtype": "bfloat16", "device": "cuda"},
             {"random_weights": True},
         )
         results["transformers"] = peer
-        ours = results.get("engine")
         if ours and "error" not in peer:
             results["ratio_output_tokens_per_s"] = (
                 ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
@@ -177,6 +187,9 @@ def print_table(results: dict) -> None:
             f"engine offline 1000x1024->128: {e['output_tokens_per_s']:.0f} out tok/s, "
             f"{e['total_tokens_per_s']:.0f} total tok/s"
         )
+    sub = results.get("engine_on_peer_prompts")
+    if sub:
+        print(f"engine on the peer's prompts: {sub['output_tokens_per_s']:.0f} out tok/s")
     if p:
         print("transformers:", {k: p.get(k) for k in ("output_tokens_per_s", "error")})
     print("ratio:", results.get("ratio_output_tokens_per_s"))

@@ -33,6 +33,9 @@ class EngineConfig:
     # everywhere (CPU through Triton's interpreter); "torch": references everywhere.
     kernels: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
+    # Run every prefill shape bucket once at start-up (CUDA kernels only), so that
+    # no request waits for kernel compilation or autotuning.
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

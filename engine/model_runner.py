@@ -79,6 +79,14 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
         self.graphs = None
+        max_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        if config.warmup and self.device.type == "cuda" and self.kernel_mode == "triton":
+            from engine.warmup import warm_up
+
+            warm_up(self, max_len)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -86,10 +94,6 @@ class ModelRunner:
         ):
             from engine.cuda_graphs import DecodeGraphs
 
-            max_len = min(
-                config.max_model_len or model_config.max_position_embeddings,
-                model_config.max_position_embeddings,
-            )
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()

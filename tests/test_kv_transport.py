@@ -270,13 +270,23 @@ def test_tcp_flush_times_out_without_the_last_layer():
 # ---------------------------------------------------------------- nccl (gloo on CPU)
 
 
-def _gloo_sender_process(target: bytes, requests: list, result) -> None:
+def _gloo_sender_process(target: bytes, requests: list, result, backlog: bool = False) -> None:
     async def main():
         sender = nccl.NcclSender(timeout=10)
         src = make_caches(21)
+        if backlog:  # queued at once: the first request's early layers alone, then both
+            (a, *_), (b, *_) = requests
+            for rid, src_ids, dst_ids in requests:
+                sender.begin(plan(rid, src_ids, dst_ids), target)
+            order = [(a, n) for n in range(LAYERS // 2)]
+            order += [(r, n) for n in range(LAYERS // 2, LAYERS) for r in (a, b)]
+            order += [(b, n) for n in range(LAYERS // 2)]
+            for rid, layer in order:
+                sender.send_layer(rid, layer, src[layer])
         for rid, src_ids, dst_ids in requests:
-            sender.begin(plan(rid, src_ids, dst_ids), target)
-            engine_thread(sender, rid, src)
+            if not backlog:
+                sender.begin(plan(rid, src_ids, dst_ids), target)
+                engine_thread(sender, rid, src)
             stats = await sender.flush(rid, 20)
             result.put((rid, stats.bytes, stats.layers))
         await sender.close()
@@ -300,7 +310,10 @@ def _gloo_receiver_process(result, command) -> None:
     asyncio.run(main())
 
 
-def test_nccl_gloo_across_processes_moves_exactly_the_planned_blocks():
+@pytest.mark.parametrize("backlog", [False, True], ids=["layer-by-layer", "backlog"])
+def test_nccl_gloo_across_processes_moves_exactly_the_planned_blocks(backlog):
+    """Layer by layer as an engine produces them, and a backlog of two requests'
+    layers queued at once (sent in multi-layer messages, the requests interleaved)."""
     ctx = mp.get_context("spawn")
     dst = make_caches(23)
     before = [t.clone() for t in dst]
@@ -314,7 +327,9 @@ def test_nccl_gloo_across_processes_moves_exactly_the_planned_blocks():
         receiver.expect("a", DST, LAYERS)
         receiver.expect("b", dst_b, LAYERS)
         result = ctx.Queue()
-        child = ctx.Process(target=_gloo_sender_process, args=(receiver.target(), requests, result))
+        child = ctx.Process(
+            target=_gloo_sender_process, args=(receiver.target(), requests, result, backlog)
+        )
         child.start()
         try:
             stats = [await receiver.wait(rid, 30) for rid, *_ in requests]

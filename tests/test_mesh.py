@@ -12,7 +12,6 @@ import grpc
 import httpx
 import openai
 import pytest
-from mesh_metrics import list_workers, worker_metric
 from test_hf_parity import random_prompts
 
 from engine import LLM, SamplingParams
@@ -23,6 +22,7 @@ from proto.yinian.v1 import (
 )
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import list_workers, worker_metric
 
 KEY, OTHER_KEY = "sk-test-alpha", "sk-test-beta"
 

@@ -4,51 +4,18 @@ no request."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 import httpx
-from mesh_metrics import metric_sum
 from test_hf_parity import random_prompts
 
+from bench import pd_kill
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import metric_sum
 
 MAX_TOKENS = 300
-
-
-def stream(url: str, prompt, results: dict, key, started: threading.Event) -> None:
-    text, error, chunks = "", None, 0
-    try:
-        with httpx.stream(
-            "POST",
-            f"{url}/v1/completions",
-            timeout=120,
-            json={
-                "model": "tiny-llama",
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        ) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    error = payload["error"]["message"]
-                    continue
-                text += payload["choices"][0]["text"]
-                chunks += 1
-                if chunks >= 3:
-                    started.set()
-    except httpx.HTTPError as exc:
-        error = f"transport: {exc}"
-    results[key] = (text, error)
 
 
 def spec(model_dir, **kw) -> MeshSpec:
@@ -65,24 +32,11 @@ def spec(model_dir, **kw) -> MeshSpec:
 
 
 def run_streams(mesh, prompts, kill: str, wait_started: int, delay: float = 0.0):
-    results: dict = {}
-    events = [threading.Event() for _ in prompts]
-    threads = [
-        threading.Thread(target=stream, args=(mesh.url, p, results, i, events[i]))
-        for i, p in enumerate(prompts)
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while sum(e.is_set() for e in events) < wait_started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(delay)
-    mesh.kill(kill)
-    killed_at = time.monotonic()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a stream hung after the kill"
-    return results, time.monotonic() - killed_at
+    results, elapsed, hung = pd_kill.run_streams(
+        mesh, "tiny-llama", prompts, MAX_TOKENS, kill, wait_started, delay
+    )
+    assert not hung, "a stream hung after the kill"
+    return {i: (r["text"], r["error"]) for i, r in enumerate(results)}, elapsed
 
 
 def test_decode_worker_death_migrates_streams(model_dir):

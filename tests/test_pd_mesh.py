@@ -7,13 +7,13 @@ import time
 
 import httpx
 import pytest
-from mesh_metrics import metric_sum
 from otlp_receiver import OtlpReceiver
 from test_hf_parity import random_prompts
 
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import metric_sum
 
 
 @pytest.fixture(scope="module")

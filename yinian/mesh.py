@@ -54,6 +54,9 @@ class MeshSpec:
     worker_argv: list[str] = field(default_factory=list)
     role_argv: dict[str, list[str]] = field(default_factory=dict)  # extra flags per role
     env: dict[str, str] = field(default_factory=dict)
+    # Extra environment per role, e.g. {"decode": {"CUDA_VISIBLE_DEVICES": "1,0"}} puts
+    # the decode workers on the second GPU while both GPUs stay visible (NCCL peers).
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     log_dir: Path | None = None
 
 
@@ -73,9 +76,10 @@ class Mesh:
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, module: str, argv: list[str]) -> Child:
+    def _spawn(self, name: str, module: str, argv: list[str], role: str = "") -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        env.update(self.spec.role_env.get(role, {}))
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *argv],
             stdout=subprocess.PIPE,
@@ -157,7 +161,10 @@ class Mesh:
             ]
             workers = [
                 self._spawn(
-                    f"{prefix}-{i}", f"services.{module}", self.worker_args(f"{prefix}-{i}", role)
+                    f"{prefix}-{i}",
+                    f"services.{module}",
+                    self.worker_args(f"{prefix}-{i}", role),
+                    role,
                 )
                 for prefix, role, module, count in roles
                 for i in range(count)

@@ -159,6 +159,7 @@ class Frontend:
                         f"no migration left"
                     ) from exc
                 stats.migrations += 1
+                metrics.MIGRATIONS.inc()
                 logger.warning(
                     "worker %s failed after %d tokens (%s); migrating %s (%d/%d)",
                     placement.worker_id,

@@ -178,16 +178,23 @@ class BlockReceiver(KvReceiver):
 
     def _write(self, rx: _Incoming, layer: int, payload: torch.Tensor) -> None:
         """Copies one layer's uint8 payload into the cache on the current stream."""
-        cache = self.kv_caches[layer]
+        self._write_layers(rx, [(layer, payload)])
+
+    def _write_layers(self, rx: _Incoming, payloads: list[tuple[int, torch.Tensor]]) -> None:
+        """Copies (layer, uint8 payload) pairs into the cache on the current stream and
+        waits for them: once this returns (or the request is cancelled) nothing more is
+        written into the request's blocks."""
         with rx.lock:
             if rx.cancelled or not rx.dst:
                 return
-            src = payload.view(cache.dtype).view(len(rx.dst), *cache.shape[1:])
-            if rx.index.device != cache.device:  # here, on the writer's stream, not the loop's
-                rx.index = rx.index.to(cache.device)
-            cache.index_copy_(0, rx.index, src.to(cache.device, non_blocking=True))
-            if cache.is_cuda:
-                torch.cuda.current_stream(cache.device).synchronize()  # ack = "in the cache"
+            for layer, payload in payloads:
+                cache = self.kv_caches[layer]
+                src = payload.view(cache.dtype).view(len(rx.dst), *cache.shape[1:])
+                if rx.index.device != cache.device:  # on the writer's stream, not the loop's
+                    rx.index = rx.index.to(cache.device)
+                cache.index_copy_(0, rx.index, src.to(cache.device, non_blocking=True))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # ack = "in the cache"
 
     def _landed(self, rx: _Incoming, layer: int, nbytes: int) -> bool:
         """Counts a written layer; True once the request is complete."""

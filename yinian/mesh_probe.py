@@ -1,5 +1,5 @@
 """Reading the workers of a running mesh: the scheduler's list, then each
-worker's Prometheus metrics."""
+worker's Prometheus metrics (for tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ def list_workers(mesh):
         .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
         .workers
     )
+
+
+def workers_by_role(mesh) -> dict[str, list]:
+    """role -> the WorkerInfo of each listed worker of that role."""
+    out: dict[str, list] = {}
+    for w in list_workers(mesh):
+        out.setdefault(w.info.role, []).append(w.info)
+    return out
 
 
 def worker_metric(mesh, name: str, role: str | None = None) -> dict[str, float]:

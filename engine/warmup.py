@@ -1,0 +1,79 @@
+"""Prefill shapes run once at start-up, so that no request pays for kernel
+compilation and autotuning.
+
+The kernels pick their configuration per shape bucket (powers of two of the
+batch size, the longest query, the row count) on first use; on a fresh machine
+the first use also compiles every candidate. Left to the first requests, that
+is seconds of stall in the middle of serving. `warm_up` runs the model once on
+each step shape a power-of-two bucket can hold within the token budget (b
+prompts of n tokens; one prompt beside b - 1 decode rows), every key and value
+written to the null block 0, which no request reads. Decode shapes are covered
+by the CUDA-graph capture that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from kernels import ops
+
+logger = logging.getLogger(__name__)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def warmup_shapes(max_tokens: int, max_seqs: int, max_len: int) -> list[list[int]]:
+    """Each step's query lengths: b prompts of n tokens, and one prompt of n tokens
+    beside b - 1 decode rows (a chunked-prefill step), for powers of two b and n >= 2
+    that fit the token budget, the batch size and the model's length."""
+    lengths = _powers_of_two(min(max_tokens, max_len))
+    uniform = [[n] * b for b in _powers_of_two(min(max_seqs, max_tokens)) for n in lengths
+               if n >= 2 and b * n <= max_tokens]  # fmt: skip
+    mixed = [[n] + [1] * (b - 1) for b in _powers_of_two(max_seqs)[1:] for n in lengths
+             if n >= 2 and n + b - 1 <= max_tokens]  # fmt: skip
+    return uniform + mixed
+
+
+@torch.inference_mode()
+def warm_up(runner, max_len: int) -> float:
+    """Runs the model on every warm-up shape; returns the seconds it took."""
+    cfg, dev = runner.config, runner.device
+    shapes = warmup_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+    start = time.perf_counter()
+    for lens in shapes:
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        starts = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=positions % runner.block_size,  # block 0, the null block
+            query_start_loc=starts,
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(
+                (len(lens), -(-max(lens) // runner.block_size)), dtype=torch.int32, device=dev
+            ),
+            query_lens_cpu=list(lens),
+            seq_lens_cpu=list(lens),
+        )
+        with ops.using(runner.kernel_mode):
+            hidden = runner.model(
+                torch.zeros(len(positions), dtype=torch.long, device=dev),
+                positions,
+                runner.kv_caches,
+                meta,
+                runner.backend,
+            )
+            runner.model.compute_logits(hidden.index_select(0, starts[1:].long() - 1))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d prefill shapes in %.1f s", len(shapes), seconds)
+    return seconds

@@ -1,0 +1,44 @@
+"""Start-up warm-up: every prefill shape bucket a step can hold, run once
+without touching anything a request can see."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.warmup import warm_up, warmup_shapes
+
+
+def test_shapes_cover_every_power_of_two_bucket_within_the_budget():
+    shapes = warmup_shapes(8192, 256, 40960)
+    assert all(sum(q) <= 8192 and len(q) <= 256 and max(q) >= 2 for q in shapes)
+    uniform = {(len(q), q[0]) for q in shapes if len(set(q)) == 1}
+    mixed = {(len(q), q[0]) for q in shapes if len(set(q)) > 1}
+    assert {(1, 8192), (256, 32), (128, 64)} <= uniform
+    assert len(uniform) == 81  # 13 + 12 + ... + 5 lengths for 1, 2, ..., 256 prompts
+    # One prompt beside decode rows: the buckets of chunked-prefill steps.
+    assert {(256, 4096), (2, 4096), (256, 2)} <= mixed and (2, 8192) not in mixed
+    assert all(q[1:] == [1] * (len(q) - 1) for q in shapes if len(set(q)) > 1)
+    # Capped by the model's length and the batch size.
+    assert max(max(q) for q in warmup_shapes(8192, 4, 512)) == 512
+    assert max(len(q) for q in warmup_shapes(8192, 4, 512)) == 4
+
+
+def test_warm_up_leaves_outputs_cache_and_counters_unchanged(model_dir):
+    opts = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13]]
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir("tiny-llama"), **opts).generate(
+        prompts, params
+    )]  # fmt: skip
+
+    llm = LLM(model_dir("tiny-llama"), **opts)
+    runner = llm.engine.runner
+    before = [c.clone() for c in runner.kv_caches]
+    processed = runner.num_tokens_processed
+    warm_up(runner, max_len=64)
+    for old, new in zip(before, runner.kv_caches):
+        assert torch.equal(old[1:], new[1:]), "warm-up wrote outside the null block"
+    assert runner.num_tokens_processed == processed
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
