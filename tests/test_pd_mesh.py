@@ -29,6 +29,7 @@ def pd(model_dir):
         env=env,
         engine_argv=["--device", "cpu"],
         scheduler_argv=["--disagg-min-tokens", "1"],
+        gpus=["0", "1"],  # inert on CPU; checked as what each worker process was given
     )
     with Mesh(spec) as mesh:
         yield mesh, receiver
@@ -64,6 +65,17 @@ def test_split_mesh_equals_engine(pd, model_dir):
     moved = metric_sum(mesh, "yinian:kv_transfer_blocks_total") - before
     assert moved == sum(-(-len(p) // 16) for p in prompts)  # every prompt was handed over
     assert metric_sum(mesh, "yinian:kv_handoff_fallbacks_total") == 0
+
+
+def test_workers_are_spread_over_the_gpus_given(pd):
+    mesh, _ = pd
+    seen = {}
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        environ = open(f"/proc/{mesh.child(name).proc.pid}/environ", "rb").read().split(b"\0")
+        seen[name] = next(
+            e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"CUDA_VISIBLE_DEVICES=")
+        )
+    assert seen == {"prefill-0": "0,1", "decode-0": "1,0", "decode-1": "0,1"}
 
 
 def test_shared_prefix_moves_only_missing_blocks(pd):

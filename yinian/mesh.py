@@ -57,6 +57,9 @@ class MeshSpec:
     # Extra environment per role, e.g. {"decode": {"CUDA_VISIBLE_DEVICES": "1,0"}} puts
     # the decode workers on the second GPU while both GPUs stay visible (NCCL peers).
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # GPUs to spread the workers over (colocated, then prefill, then decode), one each in
+    # turn; each worker sees all of them, its own first, so NCCL and CUDA IPC reach peers.
+    gpus: list[str] = field(default_factory=list)
     log_dir: Path | None = None
 
 
@@ -76,10 +79,21 @@ class Mesh:
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, module: str, argv: list[str], role: str = "") -> Child:
+    def gpu_env(self, index: int) -> dict[str, str]:
+        """CUDA_VISIBLE_DEVICES for the index-th worker: its GPU first, then the rest."""
+        gpus = self.spec.gpus
+        if not gpus:
+            return {}
+        k = index % len(gpus)
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[k:] + gpus[:k])}
+
+    def _spawn(
+        self, name: str, module: str, argv: list[str], role: str = "", extra: dict | None = None
+    ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         env.update(self.spec.role_env.get(role, {}))
+        env.update(extra or {})
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *argv],
             stdout=subprocess.PIPE,
@@ -159,15 +173,16 @@ class Mesh:
                 ("prefill", "prefill", "prefill", self.spec.prefill),
                 ("decode", "decode", "decode", self.spec.decode),
             ]
+            placed = [(p, role, m, i) for p, role, m, count in roles for i in range(count)]
             workers = [
                 self._spawn(
                     f"{prefix}-{i}",
                     f"services.{module}",
                     self.worker_args(f"{prefix}-{i}", role),
                     role,
+                    self.gpu_env(n),
                 )
-                for prefix, role, module, count in roles
-                for i in range(count)
+                for n, (prefix, role, module, i) in enumerate(placed)
             ]
             gateway = self._spawn(
                 "gateway",

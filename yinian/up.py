@@ -26,6 +26,12 @@ def add_up_parser(sub) -> None:
     p.add_argument("--nats-url", help="use this NATS instead of starting one")
     p.add_argument("--api-keys", help="API key file for the gateway")
     p.add_argument("--allow-unauthenticated", action="store_true")
+    p.add_argument(
+        "--gpus",
+        default="",
+        help="comma-separated GPU ids to spread the workers over, one each in turn "
+        "(colocated, then prefill, then decode), e.g. --prefill 1 --decode 1 --gpus 0,1",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_up)
 
@@ -56,6 +62,7 @@ def run_up(args) -> int:
         nats_url=args.nats_url,
         engine_argv=engine_argv(engine_options(args)),
         gateway_argv=gateway_argv,
+        gpus=[g.strip() for g in args.gpus.split(",") if g.strip()],
     )
     mesh = Mesh(spec)
     stop = threading.Event()
