@@ -135,23 +135,41 @@ class NcclReceiver(BlockReceiver):
                 abort_group(state[1])
 
     def _receive(self, store, pg, gid: str, head: dict) -> None:
-        rid, layers, nbytes = head["rid"], head["layers"], head["bytes"]
+        rid, nbytes = head["rid"], head["bytes"]
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         complete(pg.recv([buf], 1, 0), buf, self.timeout, f"{rid}: recv")  # raises: group over
-        rx, refuse = self._active(rid, gid)
-        if refuse:  # the sender's ack thread reads it once the request is fully sent
-            store.set(f"ack/{rid}", "unknown or cancelled request")
-        if rx is None:
-            return
+        rx, _ = self._active(rid, gid)
+        if rx is not None:
+            self._take(rx, rid, head, buf)
+        if head.get("last"):  # the sender's ack thread waits for exactly one answer
+            store.set(f"ack/{rid}", self._outcome(rid, rx or self._reqs.get(rid)))
+
+    def _take(self, rx, rid: str, head: dict, buf: torch.Tensor) -> None:
+        """Checks one message's layers and writes them, or fails the request."""
+        layers, layouts, nbytes = head["layers"], head["layouts"], head["bytes"]
         per = nbytes // max(1, len(layers))
-        for layer, text in zip(layers, head["layouts"]):
+        if not layers or len(layouts) != len(layers) or per * len(layers) != nbytes:
+            self._fail(rid, rx, "message header does not match its payload")
+            return
+        for layer, text in zip(layers, layouts):
             error = self._check(rx, layer, text, head["dst"], per)
-            if error or per * len(layers) != nbytes:
-                error = error or "payload size does not match the layer count"
+            if error:
                 self._fail(rid, rx, error)
-                store.set(f"ack/{rid}", error)
                 return
         self._write_layers(rx, [(n, buf[i * per : (i + 1) * per]) for i, n in enumerate(layers)])
-        landed = [self._landed(rx, layer, per) for layer in layers]
-        if any(landed):
-            store.set(f"ack/{rid}", "ok")
+        for layer in layers:
+            self._landed(rx, layer, per)
+
+    def _outcome(self, rid: str, rx) -> str:
+        """'ok' once every layer of the request is in the cache, else why not. `rx` is
+        the request as this message found it: a completed one may already have left
+        the table (its waiter took the result)."""
+        if rx is None:
+            return "unknown or cancelled request"
+        if not rx.done.done():
+            self._fail(rid, rx, "the last message came before every layer")
+        try:
+            error = rx.done.exception(timeout=0)
+        except BaseException as e:  # cancelled
+            error = e
+        return "ok" if error is None else str(error) or repr(error)

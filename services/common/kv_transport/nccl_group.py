@@ -30,9 +30,10 @@ def done_event(work, stream: torch.cuda.Stream) -> torch.cuda.Event:
 def poll_event(event: torch.cuda.Event, timeout: float, what: str, store=None) -> None:
     """Waits for `event`; raises after `timeout`, or as soon as `store` (the peer's
     TCPStore, checked every 0.2 s) is unreachable: the peer process is gone and the
-    op would only end at the timeout."""
-    deadline = time.monotonic() + timeout
-    next_check = time.monotonic() + 0.2
+    op would only end at the timeout. The sleep grows from 20 us to 0.5 ms, so a
+    long wait does not keep taking the GIL from the engine's thread."""
+    start = time.monotonic()
+    deadline, next_check = start + timeout, start + 0.2
     while not event.query():
         now = time.monotonic()
         if now > deadline:
@@ -43,15 +44,20 @@ def poll_event(event: torch.cuda.Event, timeout: float, what: str, store=None) -
                 store.check(["alive"])
             except Exception as e:
                 raise ConnectionError(f"{what}: peer unreachable ({e!r})") from e
-        time.sleep(20e-6)
+        time.sleep(min(5e-4, max(2e-5, (now - start) / 10)))
+
+
+def check_work(work, timeout: float) -> None:
+    """Raises if a finished op failed: an aborted communicator also ends its kernels,
+    so the op's event completes either way."""
+    work.wait(timedelta(seconds=timeout))  # returns at once for a finished op, or raises
 
 
 def complete(work, tensor: torch.Tensor, timeout: float, what: str) -> None:
-    """Blocks until the op is done, or raises after `timeout` seconds."""
+    """Blocks until the op is done, or raises after `timeout` seconds or if it failed."""
     if tensor.is_cuda:
         poll_event(done_event(work, torch.cuda.current_stream(tensor.device)), timeout, what)
-    else:
-        work.wait(timedelta(seconds=timeout))
+    check_work(work, timeout)
 
 
 def make_group(backend: str, store, rank: int, timeout: float, host: str):
@@ -63,7 +69,9 @@ def make_group(backend: str, store, rank: int, timeout: float, host: str):
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         return dist.ProcessGroupGloo(store, rank, 2, opts)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = td
+    # Past our own deadlines, so a stuck op is reported by poll_event, and the
+    # watchdog's abort (which lets the op's event complete) comes later.
+    opts._timeout = td + timedelta(seconds=5)
     # The default (3) kills the process when an op times out; 2 only aborts the
     # communicator, so our wait() raises instead. Read at construction only.
     var, old = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")

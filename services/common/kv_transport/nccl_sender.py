@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import contextlib
 import json
@@ -11,7 +12,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from services.common.kv_transport.nccl_group import (
     FOREVER,
     MESSAGE_BYTES,
     abort_group,
+    check_work,
     done_event,
     join_threads,
     local_address,
@@ -39,6 +40,7 @@ class _Outgoing:
     done: cf.Future = field(default_factory=cf.Future)
     index: dict = field(default_factory=dict)
     sent: int = 0
+    announced: int = 0  # layers put in messages so far
     nbytes: int = 0
     t0: float = 0.0
 
@@ -123,7 +125,7 @@ class NcclSender(KvSender):
             host = local_address(group.host, group.port) if group.backend == "gloo" else ""
             pg = make_group(group.backend, dist.PrefixStore("pg", store), 1, self.timeout, host)
             start_thread(self._threads, self._run_acks, group, gid)
-            seq, streams, inflight, held = 0, None, None, []
+            seq, streams, inflight, held = 0, None, None, collections.deque()
             while True:
                 if not held:
                     try:
@@ -131,7 +133,7 @@ class NcclSender(KvSender):
                     except queue.Empty:  # nothing queued: settle the message on the wire
                         inflight = self._finish(inflight, store)
                         held.append(group.layers.get())
-                item = held.pop()
+                item = held.popleft()
                 if item is None:
                     break
                 if item[0].done.done():
@@ -159,26 +161,32 @@ class NcclSender(KvSender):
             abort_group(pg)
 
     @staticmethod
-    def _batch(group: _Group, first: tuple, held: list) -> list[tuple]:
-        """`first` and the layers of the same request queued right behind it, up to
-        MESSAGE_BYTES; the first other item goes to `held`."""
-        tx, _, cache_layer, _ = first
-        per = len(tx.plan.src_block_ids) * cache_layer[0].numel() * cache_layer.element_size()
-        batch = [first]
-        while per * (len(batch) + 1) <= MESSAGE_BYTES:
+    def _batch(group: _Group, first: tuple, held: collections.deque) -> list[tuple]:
+        """`first` and the other layers of its request queued so far, in order, up to
+        MESSAGE_BYTES. Everything queued moves to `held` first; the layers taken leave
+        it, the rest (other requests, the closing None) keep their order."""
+        while True:
             try:
-                item = group.layers.get_nowait()
+                held.append(group.layers.get_nowait())
             except queue.Empty:
                 break
-            if item is None or item[0] is not tx or item[2].shape != cache_layer.shape:
-                held.append(item)
-                break
-            batch.append(item)
+        tx, _, cache_layer, _ = first
+        per = len(tx.plan.src_block_ids) * cache_layer[0].numel() * cache_layer.element_size()
+        batch, rest = [first], collections.deque()
+        for item in held:
+            fits = per * (len(batch) + 1) <= MESSAGE_BYTES
+            same = item is not None and item[0] is tx and fits
+            if same and item[2].shape == cache_layer.shape and item[2].dtype == cache_layer.dtype:
+                batch.append(item)
+            else:
+                rest.append(item)
+        held.clear()
+        held.extend(rest)
         return batch
 
     def _send(self, store, pg, seq: int, batch: list[tuple], streams) -> tuple:
         """Gathers the batch's blocks into one buffer, announces and sends it; returns
-        (event or None, buffer, tx, layers, bytes) for `_finish`."""
+        (event or None, work, buffer, tx, layers, bytes) for `_finish`."""
         tx, _, first, _ = batch[0]
         gather, waiter = streams or (None, None)
         with torch.cuda.stream(gather) if gather else contextlib.nullcontext():
@@ -196,23 +204,24 @@ class NcclSender(KvSender):
                     cache_layer, 0, index, out=out.view(index.numel(), *cache_layer.shape[1:])
                 )
             plan = tx.plan
+            tx.announced += len(batch)
             head = dict(rid=plan.request_id, layers=[b[1] for b in batch],
                         layouts=[layout(b[2]) for b in batch], blocks=len(plan.src_block_ids),
-                        bytes=flat.numel(), dst=plan.dst_block_ids)  # fmt: skip
+                        bytes=flat.numel(), dst=plan.dst_block_ids,
+                        last=tx.announced >= plan.num_layers)  # fmt: skip
             store.set(f"h/{seq}", json.dumps(head))
             work = pg.send([flat], 0, 0)
-            if waiter is None:
-                work.wait(timedelta(seconds=self.timeout))
-                return (None, flat, tx, len(batch), flat.numel())
-            return (done_event(work, waiter), flat, tx, len(batch), flat.numel())
+            event = done_event(work, waiter) if waiter is not None else None
+            return (event, work, flat, tx, len(batch), flat.numel())
 
     def _finish(self, sent: tuple | None, store) -> None:
         """Waits for a sent message (keeping its buffer alive until then) and counts it."""
         if sent is None:
             return None
-        event, _flat, tx, layers, nbytes = sent
+        event, work, _flat, tx, layers, nbytes = sent
         if event is not None:
             poll_event(event, self.timeout, f"{tx.plan.request_id}: send", store)
+        check_work(work, self.timeout)
         tx.sent += layers
         tx.nbytes += nbytes
         if tx.sent == tx.plan.num_layers:
