@@ -30,8 +30,7 @@ def done_event(work, stream: torch.cuda.Stream) -> torch.cuda.Event:
 def poll_event(event: torch.cuda.Event, timeout: float, what: str, store=None) -> None:
     """Waits for `event`; raises after `timeout`, or as soon as `store` (the peer's
     TCPStore, checked every 0.2 s) is unreachable: the peer process is gone and the
-    op would only end at the timeout. The sleep grows from 20 us to 0.5 ms, so a
-    long wait does not keep taking the GIL from the engine's thread."""
+    op would only end at the timeout. The 20 us sleeps release the GIL."""
     start = time.monotonic()
     deadline, next_check = start + timeout, start + 0.2
     while not event.query():
@@ -44,7 +43,7 @@ def poll_event(event: torch.cuda.Event, timeout: float, what: str, store=None) -
                 store.check(["alive"])
             except Exception as e:
                 raise ConnectionError(f"{what}: peer unreachable ({e!r})") from e
-        time.sleep(min(5e-4, max(2e-5, (now - start) / 10)))
+        time.sleep(2e-5)
 
 
 def check_work(work, timeout: float) -> None:
