@@ -345,6 +345,54 @@ def test_nccl_gloo_across_processes_moves_exactly_the_planned_blocks(backlog):
     assert_landed(dst, before, make_caches(21), SRC + src_b, DST + dst_b)
 
 
+def _gloo_sender_each(target: bytes, requests: list, result) -> None:
+    """Sends each request in turn and reports each outcome, failures included."""
+
+    async def main():
+        sender = nccl.NcclSender(timeout=10)
+        src = make_caches(21)
+        for rid, src_ids, dst_ids in requests:
+            sender.begin(plan(rid, src_ids, dst_ids), target)
+            engine_thread(sender, rid, src)
+            try:
+                stats = await sender.flush(rid, 20)
+                result.put((rid, f"ok {stats.layers}"))
+            except TransferError as e:
+                result.put((rid, f"error {e}"))
+        await sender.close()
+
+    asyncio.run(main())
+
+
+def test_nccl_unexpected_request_fails_alone_and_the_group_keeps_serving():
+    """A request the receiver does not (or no longer) expect gets one clear refusal;
+    the next request on the same group lands."""
+    ctx = mp.get_context("spawn")
+    dst = make_caches(23)
+    before = [t.clone() for t in dst]
+
+    async def main():
+        receiver = nccl.NcclReceiver(dst, "127.0.0.1", timeout=10)
+        await receiver.start()
+        receiver.expect("wanted", DST, LAYERS)
+        result = ctx.Queue()
+        requests = [("stray", SRC, DST), ("wanted", SRC, DST)]
+        child = ctx.Process(target=_gloo_sender_each, args=(receiver.target(), requests, result))
+        child.start()
+        try:
+            stats = await receiver.wait("wanted", 30)
+            outcomes = dict([await asyncio.to_thread(result.get, timeout=30) for _ in requests])
+        finally:
+            await asyncio.to_thread(child.join, 30)
+            await receiver.close()
+        assert outcomes["stray"].startswith("error") and "unknown" in outcomes["stray"], outcomes
+        assert outcomes["wanted"] == f"ok {LAYERS}", outcomes
+        assert stats.layers == LAYERS
+
+    asyncio.run(main())
+    assert_landed(dst, before, make_caches(21))
+
+
 def test_nccl_sender_fails_within_timeout_when_the_receiver_dies():
     ctx = mp.get_context("spawn")
     result, command = ctx.Queue(), ctx.Queue()
