@@ -17,16 +17,19 @@ the last is on the wire. A header key "g/<gid>/h/<seq>" in the store (request,
 layers, block count and ids, bytes, layouts) announces every message, and
 the receiver's per-group thread blocks on it, so a recv is only posted when its
 data is on the way: an idle posted NCCL recv would hold SMs and trip the
-watchdog, and a gloo recv that times out closes the pair. After a request's
-last layer is in the cache the receiver writes "g/<gid>/ack/<request>" ("ok" or
-why not); the sender's ack thread turns it into the result of flush(). The
+watchdog, and a gloo recv that times out closes the pair. The message holding
+a request's last layer is marked "last"; after it the receiver writes one
+"g/<gid>/ack/<request>" ("ok" once every layer is in the cache, or why not),
+which the sender's ack thread turns into the result of flush(). The
 receiving thread is per group rather than started by expect(): the receiver
 cannot know which sender (group) a request will arrive on, and the headers
 carry the request id, so expect() only registers the destination blocks.
 
-Completion is read from a CUDA event polled against a deadline: the timed wait
+Completion is read from a CUDA event polled against a deadline (the timed wait
 of a NCCL work sleeps in millisecond steps, which would cost more than moving
-a layer.
+a layer), then the op's own status is checked: an aborted communicator also
+completes its event. A sender stops waiting as soon as the receiver's store
+stops answering (the receiver's process is gone).
 
 Failures: sends and recvs have timeouts; a failed one ends the group and fails
 its in-flight requests with TransferError, and the sender's next begin() for
@@ -34,6 +37,8 @@ that target forms a new group. Store waits block without a timeout (timed-out
 waits log at C++ level) and are woken by writing the awaited key.
 The source blocks must stay allocated until flush() returns.
 """
+
+from __future__ import annotations
 
 import asyncio
 import contextlib
