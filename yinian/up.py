@@ -27,6 +27,13 @@ def add_up_parser(sub) -> None:
     p.add_argument("--api-keys", help="API key file for the gateway")
     p.add_argument("--allow-unauthenticated", action="store_true")
     p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for every service to be ready (a first start on a GPU "
+        "compiles and tunes kernels for every prefill shape)",
+    )
+    p.add_argument(
         "--gpus",
         default="",
         help="comma-separated GPU ids to spread the workers over, one each in turn "
@@ -69,7 +76,7 @@ def run_up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh on {model} (logs in {mesh.log_dir}) ...", flush=True)
-    mesh.start()
+    mesh.start(timeout=args.start_timeout)
     try:
         name = mesh.spec.model.rstrip("/").split("/")[-1]
         print(
