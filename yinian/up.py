@@ -36,8 +36,9 @@ def add_up_parser(sub) -> None:
     p.add_argument(
         "--gpus",
         default="",
-        help="comma-separated GPU ids to spread the workers over, one each in turn "
-        "(colocated, then prefill, then decode), e.g. --prefill 1 --decode 1 --gpus 0,1",
+        help="comma-separated GPU ids (as CUDA_VISIBLE_DEVICES takes them) to spread the "
+        "workers over, one each in turn (colocated, then prefill, then decode), e.g. "
+        "--prefill 1 --decode 1 --gpus 0,1",
     )
     add_engine_args(p)
     p.set_defaults(func=run_up)
