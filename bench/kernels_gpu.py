@@ -14,13 +14,13 @@ import argparse
 import json
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from bench.ceilings import measure
 from bench.engine_baseline import decode_rate, offline_throughput
+from bench.sections import Sections
 from engine import LLM
 from engine.make_model import TINY_PRESETS, preset_config, write_model
 
@@ -107,18 +107,7 @@ def main() -> None:
     ceilings = measure()
     results: dict = {"ceilings": ceilings}
 
-    def section(name, fn):
-        if name in args.skip:
-            return
-        start = time.monotonic()
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            print(results[name]["error"], flush=True)
-        results.setdefault("seconds", {})[name] = time.monotonic() - start
-        (out / "kernels.json").write_text(json.dumps(results, indent=2, default=str))
-        print(f"-- {name} done in {time.monotonic() - start:.0f} s", flush=True)
+    section = Sections(results, out / "kernels.json", args.skip)
 
     from bench import kernels_attention, kernels_ops
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import threading
@@ -166,21 +167,39 @@ def _case(name, sender, loop, conn, src, target, label, src_ids, dst_ids, copy_g
     return row
 
 
+def _source() -> list[torch.Tensor]:
+    """The sending side's cache on GPU 0: random bf16 blocks, one tensor per layer."""
+    return list(torch.randn((LAYERS, CACHE_BLOCKS, *BLOCK_SHAPE), device="cuda:0",
+                            dtype=torch.bfloat16).unbind(0))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _receiver_on(device: int):
+    """A spawned receiver process on GPU `device`; yields (pipe, an event loop for
+    the senders, its (cuda_ipc, tcp, nccl) targets). Senders are closed by the body."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, device))
+    proc.start()
+    loop = asyncio.new_event_loop()
+    try:
+        yield parent, loop, parent.recv()
+        parent.send(("stop",))
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        loop.close()
+
+
 def run(ceilings: dict, sizes=("small", "medium", "large"), tcp_sizes=("medium",)) -> dict:
     copy_gbps = ceilings.get("copy_gbps") or 0.0
     gen = torch.Generator().manual_seed(0)
-    src = list(torch.randn((LAYERS, CACHE_BLOCKS, *BLOCK_SHAPE), device="cuda:0",
-                           dtype=torch.bfloat16).unbind(0))  # fmt: skip
+    src = _source()
     report = {"layout": {"layers": LAYERS, "block_shape": BLOCK_SHAPE, "dtype": "bfloat16"},
               "copy_gbps": copy_gbps, "cuda_ipc": [], "tcp": []}  # fmt: skip
-    ctx = mp.get_context("spawn")
     for device in range(min(torch.cuda.device_count(), 2)):  # same GPU; another GPU if any
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_receiver, args=(child, device))
-        proc.start()
-        loop = asyncio.new_event_loop()
-        try:
-            ipc_target, tcp_target, _ = parent.recv()
+        with _receiver_on(device) as (parent, loop, (ipc_target, tcp_target, _)):
             ipc, tcp = CudaIpcSender(torch.device("cuda:0")), TcpSender(loop)
             for size in sizes:
                 for label, (s, d) in _plans(SIZES[size], gen).items():
@@ -195,26 +214,14 @@ def run(ceilings: dict, sizes=("small", "medium", "large"), tcp_sizes=("medium",
                 report["tcp"].append(row)
             loop.run_until_complete(tcp.close())
             loop.run_until_complete(ipc.close())
-            parent.send(("stop",))
-            proc.join(60)
-        finally:
-            if proc.is_alive():
-                proc.kill()
-            loop.close()
     return report
 
 
 def run_nccl(peer_gbps: float, sizes=("small", "medium", "large")) -> list[dict]:
     """nccl from this process on GPU 0 to a receiver process on GPU 1."""
     gen = torch.Generator().manual_seed(1)
-    src = list(torch.randn((LAYERS, CACHE_BLOCKS, *BLOCK_SHAPE), device="cuda:0",
-                           dtype=torch.bfloat16).unbind(0))  # fmt: skip
-    parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, 1))
-    proc.start()
-    loop, rows = asyncio.new_event_loop(), []
-    try:
-        *_, target = parent.recv()
+    src, rows = _source(), []
+    with _receiver_on(1) as (parent, loop, (*_, target)):
         sender = NcclSender(torch.device("cuda:0"), timeout=120)
         for size in sizes:
             s, d = _plans(SIZES[size], gen)["contiguous->scattered"]
@@ -223,12 +230,6 @@ def run_nccl(peer_gbps: float, sizes=("small", "medium", "large")) -> list[dict]
             row["fraction_of_peer_copy"] = row["moved_gbps"] / peer_gbps if peer_gbps else None
             rows.append(row)
         loop.run_until_complete(sender.close())
-        parent.send(("stop",))
-        proc.join(60)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        loop.close()
     return rows
 
 

@@ -27,20 +27,19 @@ import json
 import os
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import grpc
-import httpx
 import torch
 
 from bench import pd_kill
 from bench.pd_gpu import LENGTHS, VOCAB, equality, ttft_breakdown
+from bench.sections import Sections
 from engine.make_model import preset_config, write_model
 from proto.yinian.v1 import worker_pb2_grpc
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import metric_sum, workers_by_role
+from yinian.mesh_probe import gateway_metric, metric_sum, workers_by_role
 
 NO_MULTICAST = {  # NVLink multicast stays off on shared hosts
     "NCCL_NVLS_ENABLE": "0",
@@ -149,11 +148,6 @@ def mesh_steps(args, step) -> None:
         mesh.stop()
 
 
-def gateway_metric(mesh: Mesh, name: str) -> float:
-    text = httpx.get(f"{mesh.url}/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -172,20 +166,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"ceilings": ceilings(cuda)}
 
-    def save():
-        (out / "pd_nccl.json").write_text(json.dumps(results, indent=2, default=str))
-
-    def step(name, fn):
-        if name in args.skip:
-            return
-        start = time.monotonic()
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            print(results[name]["error"], flush=True)
-        print(f"-- {name} done in {time.monotonic() - start:.0f} s", flush=True)
-        save()
+    step = Sections(results, out / "pd_nccl.json", args.skip)
 
     if cuda:
         from bench.kv_transfer_gpu import run_nccl
@@ -203,7 +184,7 @@ def main() -> None:
             step("kill_tiny", lambda: kill_test(mesh, "tiny-llama", args.streams, 300))
         finally:
             mesh.stop()
-    save()
+    step.save()
     print_table(results)
 
 

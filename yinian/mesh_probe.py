@@ -32,13 +32,22 @@ def worker_metric(mesh, name: str, role: str | None = None) -> dict[str, float]:
     for w in list_workers(mesh):
         if role is not None and w.info.role != role:
             continue
-        text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=5).text
-        out[w.info.worker_id] = sum(
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
-        )
+        out[w.info.worker_id] = scrape(f"http://{w.info.metrics_address}/metrics", name)
     return out
+
+
+def scrape(url: str, name: str) -> float:
+    """The sum of the samples of metric `name` (every label set) at a /metrics URL."""
+    text = httpx.get(url, timeout=5).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def gateway_metric(mesh, name: str) -> float:
+    return scrape(f"{mesh.url}/metrics", name)
 
 
 def metric_sum(mesh, name: str, role: str = "decode") -> float:
