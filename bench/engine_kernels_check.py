@@ -57,17 +57,42 @@ def compare_greedy(ref_out, got_out) -> dict:
     }
 
 
+def _reference(kw: dict, folder, prompts, params, math_sdpa: bool = False):
+    """Prompt logits and greedy outputs of the engine on its torch references; with
+    `math_sdpa`, torch's attention runs on its math backend instead of the fused ones."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ref = LLM(folder, kernels="torch", enforce_eager=True, **kw)
+    backends = [SDPBackend.MATH] if math_sdpa else list(SDPBackend)
+    try:
+        with sdpa_kernel(backends):
+            logits = [prompt_logits(ref, p) for p in prompts[:3]]
+            outs = ref.generate(prompts, params)
+    finally:
+        release(ref)
+    return logits, outs
+
+
+def reference_spread(folder, load_format: str, prompts, max_tokens: int, **options) -> dict:
+    """The same comparison between two torch references: fused SDPA against math
+    SDPA. It shows how far torch's own attention backends part on these weights."""
+    kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, **options)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    ref_logits, ref_outs = _reference(kw, folder, prompts, params)
+    alt_logits, alt_outs = _reference(kw, folder, prompts, params, math_sdpa=True)
+    errors = [float((a - r).norm() / r.norm()) for a, r in zip(alt_logits, ref_logits)]
+    return {
+        "prompt_logits_rel_error": errors,
+        "greedy": [compare_greedy(r, a) for r, a in zip(ref_outs, alt_outs)],
+    }
+
+
 def check_model(
     folder, load_format: str, prompts: list[list[int]], max_tokens: int, **options
 ) -> dict:
     kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, **options)
-    ref = LLM(folder, kernels="torch", enforce_eager=True, **kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
-    try:
-        ref_logits = [prompt_logits(ref, p) for p in prompts[:3]]
-        ref_outs = ref.generate(prompts, params)
-    finally:
-        release(ref)
+    ref_logits, ref_outs = _reference(kw, folder, prompts, params)
     fast = LLM(folder, kernels="auto", **kw)
     try:
         assert fast.engine.runner.graphs is not None, "CUDA graphs were not captured"

@@ -41,7 +41,7 @@ def roofline_step_s(config, ceilings: dict, batch: int, context: int) -> float:
 
 
 def engine_checks(tmp: Path) -> dict:
-    from bench.engine_kernels_check import check_model
+    from bench.engine_kernels_check import check_model, reference_spread
 
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -49,11 +49,22 @@ def engine_checks(tmp: Path) -> dict:
         folder = write_model(tmp / preset, preset_config(preset), seed=1)
         prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 17, 200, 700)]
         out[preset] = check_model(folder, "auto", prompts, 24, max_num_seqs=16)
+        if preset == "tiny-qwen3":
+            spread_prompts = prompts
     folder = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
     prompts = [torch.randint(0, 120000, (n,), generator=g).tolist() for n in (1, 33, 500, 2000)]
     out["llama3-8b"] = check_model(
         folder, "dummy", prompts, 24, max_num_seqs=16, max_model_len=8192
     )
+    # How far two torch references (fused vs math SDPA) part on the same weights.
+    out["torch_sdpa_spread"] = {
+        "tiny-qwen3": reference_spread(
+            tmp / "tiny-qwen3", "auto", spread_prompts, 24, max_num_seqs=16
+        ),
+        "llama3-8b": reference_spread(
+            folder, "dummy", prompts, 24, max_num_seqs=16, max_model_len=8192
+        ),
+    }
     return out
 
 
@@ -78,6 +89,12 @@ def end_to_end(tmp: Path, ceilings: dict) -> dict:
         d["roofline_step_ms"] = bound * 1e3
         d["step_over_roofline"] = d["step_ms"] / (bound * 1e3)
     decode[0]["fraction_of_bandwidth_floor"] = decode[0]["tokens_per_s"] / floor_tps
+    # The same steps with async scheduling off: the host's share of a step.
+    llm.engine.async_scheduling = False
+    sync = [decode_rate(llm, 1, 128, 64), decode_rate(llm, 64, 1024, 32)]
+    llm.engine.async_scheduling = True
+    for d, plain in zip(decode, sync):
+        d["step_ms_without_async_scheduling"] = plain["step_ms"]
     offline = offline_throughput(llm, 256, 1024, 128)
     result = {
         "startup_s": startup,
@@ -137,17 +154,26 @@ def print_table(results: dict) -> None:
             f"{row.get('max_rel_error', 0):.1e} |"
         )
     checks = results.get("engine_checks") or {}
-    for name, check in checks.items():
-        if isinstance(check, dict) and "passed" in check:
-            print(
-                f"engine check {name}: passed={check['passed']} logits rel err "
-                f"{max(check['prompt_logits_rel_error']):.2e}"
-            )
+    spread = checks.get("torch_sdpa_spread") or {}
+    for name, check in [*checks.items(), *((f"{k} (math vs fused SDPA)", v)
+                                            for k, v in spread.items())]:  # fmt: skip
+        if not isinstance(check, dict) or "greedy" not in check:
+            continue
+        parts = [
+            "equal" if g["equal"] else f"parts at {g['diverged_at']} (gap {g['logprob_gap']:.4f})"
+            for g in check["greedy"]
+        ]
+        print(
+            f"engine check {name}: passed={check.get('passed', '-')} logits rel err "
+            f"{max(check['prompt_logits_rel_error']):.2e}; greedy: {', '.join(parts)}"
+        )
     e2e = results.get("end_to_end") or {}
     for d in e2e.get("decode", []):
         print(
             f"decode batch {d['batch']} @ {d['context']}: {d['tokens_per_s']:.1f} tok/s, "
-            f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline"
+            f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline, "
+            f"{d.get('fraction_of_bandwidth_floor', 0):.2f} of the bandwidth floor "
+            f"(async scheduling off: {d.get('step_ms_without_async_scheduling', 0):.2f} ms/step)"
         )
     if "offline" in e2e:
         o = e2e["offline"]

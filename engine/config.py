@@ -36,6 +36,9 @@ class EngineConfig:
     # Run every prefill shape bucket once at start-up (CUDA kernels only), so that
     # no request waits for kernel compilation or autotuning.
     warmup: bool = True
+    # Queue each step on the device before reading the last one back, so host work
+    # overlaps device work (None: on for CUDA, off on CPU where nothing overlaps).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -20,11 +20,12 @@ from engine.disaggregation import Disaggregation, Reservation
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.output_processor import RequestState, make_output, process_token
+from engine.output_processor import RequestState, make_output
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence
+from engine.stepping import Step, complete, launch
 from engine.text_stream import TextStream
 from engine.tokenizer import Tokenizer
 
@@ -57,6 +58,10 @@ class LLMEngine:
         self.disagg = Disaggregation()
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.async_scheduling = self.config.async_scheduling
+        if self.async_scheduling is None:  # default: on where the device runs apart
+            self.async_scheduling = self.runner.device.type == "cuda"
+        self._inflight: Step | None = None  # queued on the device, not yet read back
 
     # -- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -177,56 +182,28 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether a step would do anything (reserved remote prefills wait outside)."""
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # -- stepping ------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Runs one batch; returns the output of every request it touched (or, with
-        `finished_only`, of those that finished)."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        now = time.monotonic()
+        `finished_only`, of those that finished).
+
+        With async scheduling a step is queued on the device and read back during
+        the next call, after that call has queued its own step: the host work of
+        one step (outputs, scheduling, inputs) overlaps the device work of the
+        next. Each sequence's next input token then comes from the device."""
+        launched = launch(self)
+        done = [self._inflight] if self._inflight is not None else []
+        self._inflight = None
+        if launched is not None:
+            if launched.overlap:
+                self._inflight = launched
+            else:
+                done.append(launched)
         touched: dict[str, RequestState] = {}
-        for seq in batch.seqs:
-            state = self.requests[seq.request_id]
-            touched[seq.request_id] = state
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-        tables = [self.kv.block_ids(s) for s in batch.seqs]
-        handoffs = self.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
-        try:
-            if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
-                self.runner.model.layer_hook = self.disagg.layer_hook(self, handoffs)
-            sampled, result = self.runner.execute(
-                batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
-            )
-        except Exception as exc:  # the step is lost; its requests end with the cause
-            logger.exception("model step failed")
-            for seq in batch.seqs:
-                self._fail(seq, f"model step failed: {exc}")
-            return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
-        finally:
-            self.runner.model.layer_hook = None
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
-        for i, seq in enumerate(sampled):
-            if seq.index == 0:
-                self._fork_children(touched[seq.request_id])
-            process_token(
-                seq,
-                result.token_ids[i],
-                result.token_logprobs[i],
-                result.logprobs[i],
-                self.max_model_len,
-            )
-            if seq.is_finished:
-                state = touched[seq.request_id]
-                if state.hold_seconds is not None and seq.finish_reason != FinishReason.ERROR:
-                    self.disagg.hold(self, state, state.hold_seconds)
-                else:
-                    self.scheduler.remove(seq)
+        for step in done:
+            complete(self, step, touched)
         return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
 
     # -- disaggregation (decode role) ------------------------------------------
@@ -268,24 +245,6 @@ class LLMEngine:
     ) -> RequestOutput:
         """The reserved blocks are filled: continue with the prefill side's first token."""
         return self.disagg.commit(self, request_id, token_id, logprob, top)
-
-    def _fork_children(self, state: RequestState) -> None:
-        parent = state.seqs[0]
-        for child in state.seqs[1:]:
-            if child.fork_parent is parent and child.status == SequenceStatus.WAITING:
-                self.scheduler.waiting.remove(child)
-                self.kv.fork(parent, child)
-                child.fork_parent = None
-                child.status = SequenceStatus.RUNNING
-                self.scheduler.running.append(child)
-
-    def _fail(self, seq: Sequence, error: str) -> None:
-        self.scheduler.remove(seq)
-        seq.finish(FinishReason.ERROR, error=error)
-        state = self.requests[seq.request_id]
-        for sibling in state.seqs:  # siblings waiting to fork from it compute alone
-            if sibling.fork_parent is seq:
-                sibling.fork_parent = None
 
     def _emit(self, state: RequestState) -> RequestOutput:
         out = make_output(state)

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import PendingSample, Sampler, SampleResult
 from engine.sequence import Sequence
 from kernels import ops
 
@@ -30,7 +30,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # flat row whose logits each sampled sequence needs
+    sample_rows: torch.Tensor  # flat row whose logits each sampled sequence needs
     sample_seqs: list[Sequence]
 
 
@@ -123,46 +123,64 @@ class ModelRunner:
     def prepare(
         self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
     ) -> StepInputs:
-        bs = self.block_size
-        total = sum(num_new)
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
+        """The step's inputs on the device. Everything is staged in two host buffers
+        (pinned on CUDA) and moved in two copies; a sequence's pending token (async
+        scheduling) is read on the device from the step that sampled it."""
+        bs, batch, total = self.block_size, len(seqs), sum(num_new)
         max_blocks = max(len(t) for t in block_tables)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        known = [
+            min(n, len(s.all_token_ids) - s.num_computed_tokens) for s, n in zip(seqs, num_new)
+        ]
+        num_pending = total - sum(known)
+        # int64: ids, positions, slots, sample rows, pending rows, their sources; int32:
+        # query starts, sequence lengths, block tables. Segments start 16-byte aligned.
+        wide = _Layout([total, total, total, batch, num_pending, num_pending], 2)
+        narrow = _Layout([batch + 1, batch, batch * max_blocks], 4)
+        pin = self.device.type == "cuda"
+        h64 = torch.empty(wide.size, dtype=torch.int64, pin_memory=pin)
+        h32 = torch.zeros(narrow.size, dtype=torch.int32, pin_memory=pin)
+        ids, positions, slots, rows, pend_rows, pend_src = wide.views(h64.numpy())
+        query_start, seq_lens, tables = narrow.views(h32.numpy())
+        tables = tables.reshape(batch, max_blocks)
         sample_seqs: list[Sequence] = []
-        start = 0
-        for i, (seq, n, table) in enumerate(zip(seqs, num_new, block_tables)):
+        sources: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        start = num_sampled = p = 0
+        for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
             c = seq.num_computed_tokens
-            input_ids[start : start + n] = seq.all_token_ids[c : c + n]
+            ids[start : start + k] = seq.all_token_ids[c : c + k]
+            for row in range(start + k, start + n):  # pending: known only on the device
+                tensor, index = seq.pending_token
+                ids[row] = 0
+                sources.setdefault(id(tensor), (tensor, []))[1].append(p)
+                pend_rows[p], pend_src[p] = row, index
+                p += 1
             positions[start : start + n] = np.arange(c, c + n)
             tables[i, : len(table)] = table
-            seq_lens.append(c + n)
+            seq_lens[i] = c + n
             start += n
             query_start[i + 1] = start
             if c + n == seq.num_tokens:
-                sample_rows.append(start - 1)
+                rows[num_sampled] = start - 1
+                num_sampled += 1
                 sample_seqs.append(seq)
-        row_of = np.repeat(np.arange(len(seqs)), num_new)
-        slot_mapping = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
+        row_of = np.repeat(np.arange(batch), num_new)
+        slots[:] = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
+        d64, d32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
+        ids_d, pos_d, slots_d, rows_d, pend_rows_d, pend_src_d = wide.views(d64)
+        query_start_d, seq_lens_d, tables_d = narrow.views(d32)
+        for tensor, entries in sources.values():
+            at = torch.tensor(entries, device=dev) if len(sources) > 1 else slice(None)
+            ids_d.index_copy_(0, pend_rows_d[at], tensor.index_select(0, pend_src_d[at]))
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(query_start).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=slots_d,
+            query_start_loc=query_start_d,
+            seq_lens=seq_lens_d,
+            block_tables=tables_d.view(batch, max_blocks),
             query_lens_cpu=list(num_new),
-            seq_lens_cpu=seq_lens,
+            seq_lens_cpu=seq_lens.tolist(),
         )
-        return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
-            meta=meta,
-            sample_rows=sample_rows,
-            sample_seqs=sample_seqs,
-        )
+        return StepInputs(ids_d, pos_d, meta, rows_d[:num_sampled], sample_seqs)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -174,13 +192,15 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def execute(
+    def launch(
         self,
         seqs: list[Sequence],
         num_new: list[int],
         block_tables: list[list[int]],
         force_eager: bool = False,
-    ) -> tuple[list[Sequence], SampleResult | None]:
+    ) -> PendingSample | None:
+        """Queues the step on the device and returns its sampled tokens, not yet read
+        back (None when no sequence samples this step)."""
         inputs = self.prepare(seqs, num_new, block_tables)
         batch = len(seqs)
         if (
@@ -191,11 +211,38 @@ class ModelRunner:
         ):
             self.num_tokens_processed += batch
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-            return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
+            return self.sampler.launch(logits, inputs.sample_seqs)
         hidden = self.forward(inputs)
         if not inputs.sample_seqs:
-            return [], None
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
+            return None
         with ops.using(self.kernel_mode):
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        return self.sampler.launch(logits, inputs.sample_seqs)
+
+    def execute(
+        self,
+        seqs: list[Sequence],
+        num_new: list[int],
+        block_tables: list[list[int]],
+        force_eager: bool = False,
+    ) -> tuple[list[Sequence], SampleResult | None]:
+        """One step, waited for: the sequences that sampled and their tokens."""
+        pending = self.launch(seqs, num_new, block_tables, force_eager)
+        if pending is None:
+            return [], None
+        return pending.seqs, pending.result()
+
+
+class _Layout:
+    """Consecutive segments of one flat buffer, each starting `align` elements apart."""
+
+    def __init__(self, lengths: list[int], align: int):
+        self.bounds = []
+        at = 0
+        for n in lengths:
+            self.bounds.append((at, at + n))
+            at += -(-n // align) * align
+        self.size = max(at, 1)
+
+    def views(self, buffer):
+        return [buffer[a:b] for a, b in self.bounds]

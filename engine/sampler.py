@@ -25,6 +25,49 @@ class SampleResult:
     token_logprobs: list[float]  # logprob of each chosen token under the raw model
 
 
+class PendingSample:
+    """A step's sampled tokens, still on the device: `tokens` feeds the next step's
+    inputs there, and `result()` reads them back. On CUDA the copies to the host
+    are queued right behind the sampling, so reading them waits for this step
+    only, not for steps queued after it."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, wanted: list[int], extra):
+        self.seqs = seqs
+        self.tokens = tokens
+        self._wanted = wanted
+        self._event = None
+        host = [tokens, *extra]
+        if tokens.is_cuda:
+            copies = []
+            for t in host:
+                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                copies.append(pinned.copy_(t, non_blocking=True))
+            host = copies
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = host
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        seqs, wanted = self.seqs, self._wanted
+        token_ids = self._host[0].tolist()
+        logprobs = [None] * len(seqs)
+        token_logprobs = [0.0] * len(seqs)  # only computed for rows that asked for logprobs
+        if wanted:
+            chosen_lp, ranks, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(wanted):
+                token_logprobs[i] = chosen_lp[j]
+                n = seqs[i].params.logprobs
+                entry = {
+                    tid: Logprob(val, r + 1)
+                    for r, (tid, val) in enumerate(zip(top_ids[j][:n], top_vals[j][:n]))
+                }
+                entry.setdefault(token_ids[i], Logprob(chosen_lp[j], ranks[j]))
+                logprobs[i] = entry
+        return SampleResult(token_ids, logprobs, token_logprobs)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -33,39 +76,34 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [N, V] float32, row i belonging to seqs[i]."""
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queues the sampling of every row on the device; nothing waits for it.
+        A sequence's tokens still pending count as output (for min_tokens)."""
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
-        if any(s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
+        made = [s.num_output_tokens + s.num_pending for s in seqs]
+        if any(s.params.needs_penalties or m < s.params.min_tokens for s, m in zip(seqs, made)):
             logits = logits.clone()
         for row, seq in enumerate(seqs):
             p = seq.params
             if p.needs_penalties:
                 _apply_penalties(logits[row], seq)
-            if seq.num_output_tokens < p.min_tokens:
+            if made[row] < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
                 if banned:
                     logits[row, list(banned)] = _NEG_INF
         chosen = self._choose(logits, seqs)
-        token_ids = chosen.tolist()
-        logprobs = [None] * len(seqs)
-        token_logprobs = [0.0] * len(seqs)  # only computed for rows that asked for logprobs
+        extra = ()
         if wanted:
-            chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
-            token_logprobs = chosen_lp.tolist()
-            top_n = max(seqs[i].params.logprobs for i in wanted)
             rows = raw_logprobs[wanted]
-            ranks = (rows > chosen_lp[wanted, None]).sum(-1) + 1
+            chosen_lp = rows.gather(1, chosen[wanted][:, None]).squeeze(1)
+            ranks = (rows > chosen_lp[:, None]).sum(-1) + 1
+            top_n = max(seqs[i].params.logprobs for i in wanted)
             top_vals, top_ids = rows.topk(max(top_n, 1), dim=-1)
-            ranks, top_vals, top_ids = ranks.tolist(), top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(wanted):
-                n = seqs[i].params.logprobs
-                entry = {
-                    tid: Logprob(val, r + 1)
-                    for r, (tid, val) in enumerate(zip(top_ids[j][:n], top_vals[j][:n]))
-                }
-                entry.setdefault(token_ids[i], Logprob(token_logprobs[i], ranks[j]))
-                logprobs[i] = entry
-        return SampleResult(token_ids, logprobs, token_logprobs)
+            extra = (chosen_lp, ranks, top_vals, top_ids)
+        return PendingSample(seqs, chosen, wanted, extra)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         chosen = logits.argmax(dim=-1)
@@ -97,15 +135,15 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         kth = sorted_desc.gather(1, (ks.clamp(max=vocab) - 1)[:, None])
         logits = logits.masked_fill(logits < kth, _NEG_INF)
     probs = torch.softmax(logits, dim=-1)
-    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
-    if bool((top_ps < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):  # decided on the host: no device sync
+        top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
         drop_sorted = before >= top_ps[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
-    if bool((min_ps > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)

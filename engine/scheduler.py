@@ -71,7 +71,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):

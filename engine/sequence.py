@@ -65,6 +65,11 @@ class Sequence:
     # What delta outputs have handed out so far.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    # Async scheduling: a token sampled on the device but not yet read back. It counts
+    # in num_tokens (the next step computes its position); `pending_token` says where
+    # the next step finds its id on the device: (token tensor of that step, row).
+    num_pending: int = 0
+    pending_token: tuple[torch.Tensor, int] | None = None
 
     @property
     def text(self) -> str:
@@ -79,7 +84,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -97,6 +102,20 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """Prompt plus the most tokens it may generate."""
         return self.prompt_len + (self.params.max_tokens or 0)
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether its pending token certainly finishes it (max_tokens, context length)."""
+        if not self.num_pending:
+            return False
+        made = self.num_output_tokens + self.num_pending
+        limit = self.params.max_tokens
+        return (limit is not None and made >= limit) or self.num_tokens >= max_model_len
+
+    def resolve_pending(self) -> None:
+        """Its pending token was read back (the caller appends it)."""
+        self.num_pending -= 1
+        if not self.num_pending:
+            self.pending_token = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,6 +1,6 @@
 """Scheduling choices never change what greedy decoding produces: prefix
 caching on or off, chunked prefill at several chunk sizes or off, forced
-preemption, batch size 1 or 32, n > 1."""
+preemption, batch size 1 or 32, n > 1, async scheduling."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ VARIANTS = {
     "batch-32": dict(max_num_seqs=32),
     # Room for about two of the longest sequences at once: the rest must wait or be preempted.
     "forced-preemption": dict(num_gpu_blocks=44, max_num_batched_tokens=512),
+    # Each step queued before the last is read back, its inputs fed from the last's tokens.
+    "async-scheduling": dict(async_scheduling=True),
+    "async-forced-preemption": dict(
+        async_scheduling=True, num_gpu_blocks=44, max_num_batched_tokens=512
+    ),
+    "async-chunk-7": dict(async_scheduling=True, max_prefill_chunk=7),
 }
 
 
@@ -48,7 +54,7 @@ def test_same_outputs(reference, variant):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == expected
     stats = llm.get_stats()
-    if variant == "forced-preemption":
+    if variant.endswith("forced-preemption"):
         assert stats["num_preemptions"] > 0
     if variant == "prefix-caching-off":
         assert stats["prefix_cache_hit_tokens"] == 0

@@ -12,9 +12,11 @@ from engine.sampler import Sampler, _apply_penalties, _filtered_probs
 from engine.sequence import Sequence
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir("tiny-qwen3"), dtype="float32", device="cpu")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, model_dir):
+    return LLM(
+        model_dir("tiny-qwen3"), dtype="float32", device="cpu", async_scheduling=request.param
+    )
 
 
 def make_seq(params, prompt=(1, 2), outputs=()):
@@ -127,8 +129,11 @@ def test_max_tokens_and_length_finish(llm):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-def test_eos_stops_unless_ignored(model_dir):
-    llm = LLM(model_dir("tiny-qwen3"), dtype="float32", device="cpu")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_eos_stops_unless_ignored(model_dir, async_scheduling):
+    llm = LLM(
+        model_dir("tiny-qwen3"), dtype="float32", device="cpu", async_scheduling=async_scheduling
+    )
     prompt = random_prompts(512, (8,), seed=35)[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[
         0

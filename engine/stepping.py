@@ -1,0 +1,147 @@
+"""One model step in two halves: `launch` schedules a batch and queues its
+forward pass and sampling on the device; `complete` reads the sampled tokens
+back and applies them (append, stop checks, freeing what finished).
+
+The engine completes a step right after launching it, or, with async
+scheduling, during the next `step()` call after the next launch: the host
+work of one step then overlaps the device work of the next, and each running
+sequence's next input token is read on the device from the step that
+sampled it (its `pending_token`). A step is not run ahead of when a sequence
+in it samples with penalties (they need every earlier token on the host),
+forks (n > 1) or hands its KV off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.output_processor import RequestState, process_token
+from engine.sampler import PendingSample
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Step:
+    """One queued model step: its sequences, its sampled tokens (not yet read back)
+    and whether the next step may be queued before they are."""
+
+    seqs: list[Sequence]
+    sample: PendingSample | None = None
+    overlap: bool = False
+    error: str | None = None
+
+
+def launch(engine) -> Step | None:
+    """Schedules a batch and queues its step on the device (None: nothing to run)."""
+    batch = engine.scheduler.schedule()
+    if not batch.seqs:
+        return None
+    now = time.monotonic()
+    for seq in batch.seqs:
+        metrics = engine.requests[seq.request_id].metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+    step = Step(batch.seqs)
+    tables = [engine.kv.block_ids(s) for s in batch.seqs]
+    handoffs = engine.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
+    try:
+        if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
+            engine.runner.model.layer_hook = engine.disagg.layer_hook(engine, handoffs)
+        step.sample = engine.runner.launch(
+            batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
+        )
+    except Exception as exc:  # the step is lost; its requests end with the cause
+        logger.exception("model step failed")
+        step.error = f"model step failed: {exc}"
+        return step
+    finally:
+        engine.runner.model.layer_hook = None
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    step.overlap = (
+        engine.async_scheduling
+        and step.sample is not None
+        and not handoffs
+        and all(_may_run_ahead(engine, seq) for seq in step.sample.seqs)
+    )
+    if step.overlap:
+        for row, seq in enumerate(step.sample.seqs):
+            seq.num_pending += 1
+            seq.pending_token = (step.sample.tokens, row)
+    return step
+
+
+def _may_run_ahead(engine, seq: Sequence) -> bool:
+    """Whether the next step may be queued before this sequence's token is read
+    back: not when its sampling needs earlier tokens on the host (penalties),
+    its request forks (n > 1) or its blocks are held for a handoff."""
+    state = engine.requests[seq.request_id]
+    return not seq.params.needs_penalties and seq.params.n == 1 and state.hold_seconds is None
+
+
+def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
+    """Reads a step's tokens back and applies them: append, stop checks, outputs."""
+    for seq in step.seqs:
+        if seq.request_id in engine.requests:
+            touched[seq.request_id] = engine.requests[seq.request_id]
+    error, result = step.error, None
+    if error is None and step.sample is not None:
+        try:
+            result = step.sample.result()
+        except Exception as exc:  # a device error surfaces when the tokens are read
+            logger.exception("model step failed")
+            error = f"model step failed: {exc}"
+    if error is not None:
+        for seq in step.seqs:
+            if not seq.is_finished:
+                _fail(engine, seq, error)
+        return
+    for seq in step.seqs:
+        if not seq.is_finished:
+            engine.kv.commit(seq)
+    if result is None:
+        return
+    for i, seq in enumerate(step.sample.seqs):
+        if step.overlap:
+            seq.resolve_pending()
+        if seq.is_finished:  # finished or aborted while this step ran: its token is moot
+            continue
+        if seq.index == 0:
+            _fork_children(engine, touched[seq.request_id])
+        process_token(
+            seq,
+            result.token_ids[i],
+            result.token_logprobs[i],
+            result.logprobs[i],
+            engine.max_model_len,
+        )
+        if seq.is_finished:
+            state = touched[seq.request_id]
+            if state.hold_seconds is not None and seq.finish_reason != FinishReason.ERROR:
+                engine.disagg.hold(engine, state, state.hold_seconds)
+            else:
+                engine.scheduler.remove(seq)
+
+
+def _fork_children(engine, state: RequestState) -> None:
+    parent = state.seqs[0]
+    for child in state.seqs[1:]:
+        if child.fork_parent is parent and child.status == SequenceStatus.WAITING:
+            engine.scheduler.waiting.remove(child)
+            engine.kv.fork(parent, child)
+            child.fork_parent = None
+            child.status = SequenceStatus.RUNNING
+            engine.scheduler.running.append(child)
+
+
+def _fail(engine, seq: Sequence, error: str) -> None:
+    engine.scheduler.remove(seq)
+    seq.finish(FinishReason.ERROR, error=error)
+    state = engine.requests[seq.request_id]
+    for sibling in state.seqs:  # siblings waiting to fork from it compute alone
+        if sibling.fork_parent is seq:
+            sibling.fork_parent = None
