@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_kernels_check import release
 from engine import LLM, SamplingParams
 from engine.make_model import TINY_PRESETS, preset_config, write_model
 
@@ -60,7 +61,7 @@ def compare(preset: str, tmp: Path, device: str = "cuda", n: int = 48) -> dict:
     dummy = preset not in TINY_PRESETS
     folder = write_model(tmp / preset, config, weights=not dummy, seed=1)
     llm = LLM(folder, dtype="bfloat16", device=device, load_format="dummy" if dummy else "auto",
-              enable_prefix_caching=False, max_model_len=4096)  # fmt: skip
+              enable_prefix_caching=False, max_model_len=4096, warmup=False)  # fmt: skip
     prompts, params = workload(llm.engine.model_config.vocab_size, n)
     sync_device = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -87,8 +88,7 @@ def compare(preset: str, tmp: Path, device: str = "cuda", n: int = 48) -> dict:
         "async_output_tok_s": n_out / t_async,
         "kv_blocks_used_after": llm.get_stats()["kv_blocks_used"],
     }
-    del llm
-    torch.cuda.empty_cache()
+    release(llm)
     return result
 
 

@@ -40,32 +40,32 @@ def roofline_step_s(config, ceilings: dict, batch: int, context: int) -> float:
     )
 
 
-def engine_checks(tmp: Path) -> dict:
+def engine_checks(tmp: Path, section: Sections) -> None:
+    """Each model's check is its own section (a run cut short keeps the finished ones)."""
     from bench.engine_kernels_check import check_model, reference_spread
 
-    out = {}
-    g = torch.Generator().manual_seed(0)
+    def prompts_for(preset: str, lengths, vocab: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(len(preset) * 1000 + sum(map(ord, preset)))
+        return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+    tiny = dict(max_num_seqs=16)
+    big = dict(max_num_seqs=16, max_model_len=8192)
     for preset in TINY_PRESETS:
         folder = write_model(tmp / preset, preset_config(preset), seed=1)
-        prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 17, 200, 700)]
-        out[preset] = check_model(folder, "auto", prompts, 24, max_num_seqs=16)
-        if preset == "tiny-qwen3":
-            spread_prompts = prompts
-    folder = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
-    prompts = [torch.randint(0, 120000, (n,), generator=g).tolist() for n in (1, 33, 500, 2000)]
-    out["llama3-8b"] = check_model(
-        folder, "dummy", prompts, 24, max_num_seqs=16, max_model_len=8192
-    )
+        prompts = prompts_for(preset, (1, 17, 200, 700), 500)
+        section(preset, lambda f=folder, p=prompts: check_model(f, "auto", p, 24, **tiny))
+    llama = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
+    llama_prompts = prompts_for("llama3-8b", (1, 33, 500, 2000), 120000)
+    section("llama3-8b", lambda: check_model(llama, "dummy", llama_prompts, 24, **big))
     # How far two torch references (fused vs math SDPA) part on the same weights.
-    out["torch_sdpa_spread"] = {
-        "tiny-qwen3": reference_spread(
-            tmp / "tiny-qwen3", "auto", spread_prompts, 24, max_num_seqs=16
-        ),
-        "llama3-8b": reference_spread(
-            folder, "dummy", prompts, 24, max_num_seqs=16, max_model_len=8192
-        ),
-    }
-    return out
+    qwen_prompts = prompts_for("tiny-qwen3", (1, 17, 200, 700), 500)
+    section(
+        "torch_sdpa_spread",
+        lambda: {
+            "tiny-qwen3": reference_spread(tmp / "tiny-qwen3", "auto", qwen_prompts, 24, **tiny),
+            "llama3-8b": reference_spread(llama, "dummy", llama_prompts, 24, **big),
+        },
+    )
 
 
 def end_to_end(tmp: Path, ceilings: dict) -> dict:
@@ -130,7 +130,9 @@ def main() -> None:
 
     section("attention", lambda: kernels_attention.run(ceilings))
     section("ops", lambda: kernels_ops.run(ceilings))
-    section("engine_checks", lambda: engine_checks(tmp))
+    if "engine_checks" not in args.skip:
+        results["engine_checks"] = {}
+        engine_checks(tmp, Sections(results["engine_checks"], section.path, args.skip, results))
     section("end_to_end", lambda: end_to_end(tmp, ceilings))
     print_table(results)
 

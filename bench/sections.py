@@ -13,11 +13,13 @@ from pathlib import Path
 
 
 class Sections:
-    def __init__(self, results: dict, path: Path, skip: list[str]):
+    def __init__(self, results: dict, path: Path, skip: list[str], root: dict | None = None):
+        """`root`: the whole JSON, when `results` is a part of it (nested sections)."""
         self.results, self.path, self.skip = results, path, skip
+        self.root = results if root is None else root
 
     def save(self) -> None:
-        self.path.write_text(json.dumps(self.results, indent=2, default=str))
+        self.path.write_text(json.dumps(self.root, indent=2, default=str))
 
     def __call__(self, name: str, fn: Callable[[], object]) -> None:
         if name in self.skip:

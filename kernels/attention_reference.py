@@ -47,15 +47,17 @@ def _attend(q, k, v, prefix: int, scale: float) -> torch.Tensor:
     """Causal attention of n queries at positions prefix..prefix+n-1 over keys 0..prefix+n-1."""
     n, length = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)  # [Hq, n, D]
-    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    # [1, H, n, D]: SDPA's fused backends take only 4-D inputs; with 3-D ones torch falls
+    # back to its math backend, which rounds 16-bit scores before the softmax.
+    qh = q.transpose(0, 1)[None]
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
     if prefix == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(prefix)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode(q, cache, block_tables, seq_lens: list[int], scale: float) -> torch.Tensor:

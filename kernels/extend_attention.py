@@ -11,6 +11,12 @@ Grid: (q head, query tile, sequence). Query tiles are launched last-first so
 the longest causal tiles start early, and the G heads sharing a kv head are
 neighbours in launch order so their K/V tiles are shared through L2. Tiles
 past a sequence's n_i exit at once: the host passes only max_query_len.
+
+Variants the Selector tunes between, each candidate's output checked against
+the first candidate's (this file's kernel with its first config): "flash", this
+file's kernel, pointer loads everywhere, runs anywhere (the CPU default); "tma"
+(kernels/extend_attention_tma.py), the same phases with the new tokens' K/V read
+by TMA, on sm_90+.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from kernels.attention_checks import (
     dot_precision,
     fit_float32,
 )
+from kernels.extend_attention_tma import (
+    TMA_CONFIGS,
+    flash_extend_tma,
+    tma_device_ok,
+    tma_inputs_ok,
+)
 from kernels.selection import Selector, next_power_of_2
+from kernels.selection_verify import close_outputs
 
 LOG2E = 1.4426950408889634
 
@@ -213,8 +226,28 @@ def _bucket(q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_l
     )
 
 
-_SELECTOR = Selector(
-    "extend_attention", {"flash": flash_extend}, {"flash": EXTEND_CONFIGS}, _bucket
+def tma_extend(q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
+               out, **config):  # fmt: skip
+    """The TMA kernel where the inputs suit it (aligned rows, heads packed, a power-of-2
+    head_dim), else the pointer kernel with the same config: a bucket's choice holds for
+    every input in it."""
+    kernel = flash_extend_tma if tma_inputs_ok(q, k, v, scale) else flash_extend
+    args = (q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out)
+    return kernel(*args, **config)
+
+
+# Between two correct kernels outputs differ by rounding (p is rounded to the input
+# dtype before P @ V); a wrong mask or a misread tile is off by far more.
+OUTPUT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+SELECTOR = Selector(
+    "extend_attention",
+    {"flash": flash_extend, "tma": tma_extend},
+    {"flash": EXTEND_CONFIGS, "tma": TMA_CONFIGS},
+    _bucket,
+    supported={"tma": tma_device_ok},
+    verify=close_outputs(OUTPUT_TOLERANCE),
+    revision="tma",  # choices made before the TMA variants existed are made again
 )
 
 
@@ -257,6 +290,6 @@ def extend_attention(
     check_out(q, out)
     if batch == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
-    return _SELECTOR(
+    return SELECTOR(
         q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out
     )

@@ -9,6 +9,11 @@ choice made is logged at DEBUG level on the `yinian.kernels` logger.
 
 Tuning never happens during CUDA graph capture (the engine warms every
 captured shape up first) nor on CPU, where the first candidate is used.
+
+An operator may limit a variant to the devices that can run it (`supported`),
+and may ask that, while tuning, every candidate's output be checked against
+the first candidate's (`verify`): a candidate that disagrees is dropped with a
+warning, so the tuner never picks a fast but wrong kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels.selection_verify import snapshot
 
 logger = logging.getLogger("yinian.kernels")
 
@@ -158,6 +165,13 @@ class Selector:
     variants: name -> callable(*args, **config); configs: name -> list of config dicts
     (an empty list means the variant takes no config); bucket: (*args) -> hashable
     description of the shape class the choice is valid for.
+    supported: name -> callable(device) -> bool, for variants only some devices can run
+    (the others are never tuned nor chosen there; the first variant must run anywhere).
+    verify: callable(reference_output, output) -> None when the output is acceptable,
+    else a short reason; when given, tuning checks each candidate's output against the
+    output of the first candidate that ran (see selection_verify.close_outputs) and drops those that
+    disagree or raise. revision: bumped when the candidates change enough that choices
+    already on disk should be made again (it is part of the on-disk key).
     """
 
     def __init__(
@@ -168,18 +182,45 @@ class Selector:
         bucket: Callable[..., tuple],
         timer: Callable[[Callable[[], object]], float] = cuda_timer,
         tune_on_cpu: bool = False,
+        supported: dict[str, Callable[[torch.device], bool]] | None = None,
+        verify: Callable[[object, object], str | None] | None = None,
+        revision: str = "",
     ):
         self.op = op
         self.variants = variants
         self.bucket = bucket
         self.timer = timer
         self.tune_on_cpu = tune_on_cpu
+        self.supported = supported or {}
+        self.verify = verify
+        self.cache_key = f"{op}@{revision}" if revision else op
         self.candidates = [
             Candidate(name, tuple(sorted(cfg.items())))
             for name in variants
             for cfg in (configs.get(name) or [{}])
         ]
         self._memo: dict[tuple[str, str], Candidate] = {}
+        self._usable: dict[str, list[Candidate]] = {}
+
+    def usable(self, device: torch.device) -> list[Candidate]:
+        """The candidates whose variant this device supports, in declaration order."""
+        key = str(device)
+        if key not in self._usable:
+            ok = {}
+            for name in self.variants:
+                try:
+                    ok[name] = (
+                        bool(self.supported[name](device)) if name in self.supported else True
+                    )
+                except Exception as exc:  # a probe that fails means "not here"
+                    logger.debug(
+                        "kernel %s variant %s unsupported on %s: %s", self.op, name, key, exc
+                    )
+                    ok[name] = False
+            self._usable[key] = [c for c in self.candidates if ok[c.variant]]
+            if not self._usable[key]:
+                raise RuntimeError(f"no variant of kernel {self.op} supports {key}")
+        return self._usable[key]
 
     def __call__(self, *args):
         candidate = self.choose(*args)
@@ -193,22 +234,23 @@ class Selector:
         found = self._memo.get(key)
         if found is not None:
             return found
+        candidates = self.usable(device)
         cache = _disk_cache(dev)
-        found = cache.get(self.op, bucket)
+        found = cache.get(self.cache_key, bucket)
         how = "cached"
-        if found is None or found not in self.candidates:
+        if found is None or found not in candidates:
             tunable = device.type == "cuda" or self.tune_on_cpu
             if not tunable or _capturing(device):
-                found, how = self.candidates[0], "default"
+                found, how = candidates[0], "default"
             else:
                 with cache.exclusive():
                     cache.reload()
-                    found = cache.get(self.op, bucket)
-                    if found is not None and found in self.candidates:
+                    found = cache.get(self.cache_key, bucket)
+                    if found is not None and found in candidates:
                         how = "cached by another process"
                     else:
-                        found, ms = self._tune(args)
-                        cache.put(self.op, bucket, found, ms)
+                        found, ms = self.tune(args, candidates)
+                        cache.put(self.cache_key, bucket, found, ms)
                         how = f"tuned, {ms:.4f} ms"
         self._memo[key] = found
         logger.debug(
@@ -222,16 +264,46 @@ class Selector:
         )
         return found
 
-    def _tune(self, args) -> tuple[Candidate, float]:
+    def tune(
+        self, args: tuple, candidates: list[Candidate] | None = None, report: dict | None = None
+    ) -> tuple[Candidate, float]:
+        """The fastest of `candidates` (default: all this device supports) on these inputs,
+        and its time in ms. report, if given, maps each candidate to its ms or to why it
+        was dropped (it raised, or verify rejected its output)."""
+        if candidates is None:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            candidates = self.usable(device)
+        report = {} if report is None else report
         best, best_ms = None, float("inf")
-        for candidate in self.candidates:
+        reference, reference_candidate = None, None
+        for candidate in candidates:
             fn = self.variants[candidate.variant]
             kwargs = candidate.kwargs
+
+            def run(fn=fn, kwargs=kwargs):
+                return fn(*args, **kwargs)
+
             try:
-                ms = self.timer(lambda fn=fn, kwargs=kwargs: fn(*args, **kwargs))
+                if self.verify is not None:
+                    output = run()
+                    if reference_candidate is None:
+                        reference, reference_candidate = snapshot(output), candidate
+                    else:
+                        problem = self.verify(reference, output)
+                        if problem is not None:
+                            logger.warning(
+                                "kernel %s candidate %s %s disagrees with %s %s (%s): dropped",
+                                self.op, candidate.variant, candidate.kwargs,
+                                reference_candidate.variant, reference_candidate.kwargs, problem,
+                            )  # fmt: skip
+                            report[candidate] = f"wrong output: {problem}"
+                            continue
+                ms = self.timer(run)
             except Exception as exc:  # a config the device cannot run (resources) is skipped
                 logger.debug("kernel %s candidate %s failed: %s", self.op, candidate, exc)
+                report[candidate] = f"failed: {type(exc).__name__}: {exc}"[:500]
                 continue
+            report[candidate] = ms
             if ms < best_ms:
                 best, best_ms = candidate, ms
         if best is None:

@@ -13,6 +13,7 @@ import torch
 
 from kernels import selection
 from kernels.selection import Candidate, Selector
+from kernels.selection_verify import close_outputs
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +106,200 @@ def test_on_cpu_without_tuning_the_first_candidate_is_used(caplog):
         out = sel(torch.ones(2))
     assert torch.equal(out, torch.ones(2)) and not calls
     assert "-> a {} (default)" in caplog.text
+
+
+def rigged_timer(ranking: dict):
+    """Reports the ms of whichever toy candidate ran: the ranking decides, not the clock."""
+    last = []
+
+    def timer(fn):
+        last.append(fn())
+        return ranking[round(float(last[-1][0]), 3)]
+
+    return timer
+
+
+def make_verified_selector(calls: list, timer, verify=True) -> Selector:
+    """Three variants writing the same `out` buffer; "wrong" is the fastest and adds 0.1."""
+
+    def good(x, out):
+        calls.append("good")
+        return torch.mul(x, 2, out=out)
+
+    def also_good(x, out):
+        calls.append("also_good")
+        return torch.add(x, x, out=out)
+
+    def wrong(x, out):
+        calls.append("wrong")
+        return torch.add(x * 2, 0.1, out=out)
+
+    return Selector(
+        "verified" if verify else "unverified",
+        {"good": good, "wrong": wrong, "also_good": also_good},
+        {},
+        bucket=lambda x, out: (x.shape[0],),
+        timer=timer,
+        tune_on_cpu=True,
+        verify=close_outputs({torch.float32: 1e-3}) if verify else None,
+    )
+
+
+def test_a_candidate_with_wrong_output_is_never_chosen(fresh_cache, caplog):
+    x = torch.arange(6, dtype=torch.float32) + 1  # x[0] = 1: good -> 2, wrong -> 2.1
+    timer = rigged_timer({2.0: 3.0, 2.1: 1.0})  # wrong is the fastest
+    calls: list = []
+    sel = make_verified_selector(calls, timer)
+    with caplog.at_level(logging.DEBUG, logger="yinian.kernels"):
+        out = sel(x, torch.empty(6))
+    assert torch.equal(out, x * 2)
+    assert sel.choose(x, torch.empty(6)).variant in ("good", "also_good")
+    assert "candidate wrong {} disagrees with good {}" in caplog.text
+    assert "dropped" in caplog.text
+    assert calls.count("wrong") == 1  # run once for the check, never timed
+    report: dict = {}
+    best, _ = sel.tune((x, torch.empty(6)), report=report)
+    assert best.variant != "wrong"
+    assert report[Candidate("wrong")].startswith("wrong output: output 0 element 0: 2.1 vs 2")
+    # The same selector without the check picks the fast wrong kernel: the check is what
+    # protects, and operators that do not opt in keep the old behaviour.
+    unchecked = make_verified_selector([], rigged_timer({2.0: 3.0, 2.1: 1.0}), verify=False)
+    assert unchecked.choose(x, torch.empty(6)).variant == "wrong"
+
+
+def test_the_reference_is_the_first_candidate_that_runs():
+    """A first candidate that raises is dropped; the next one becomes the reference."""
+
+    def broken(x):
+        raise RuntimeError("out of resources")
+
+    sel = Selector(
+        "ref",
+        {"broken": broken, "a": lambda x: x + 1, "b": lambda x: x + 2},
+        {},
+        bucket=lambda x: (x.shape[0],),
+        timer=wall_timer,
+        tune_on_cpu=True,
+        verify=close_outputs({}),
+    )
+    report: dict = {}
+    best, _ = sel.tune((torch.ones(3),), report=report)
+    assert best == Candidate("a")
+    assert report[Candidate("broken")].startswith("failed: RuntimeError")
+    assert report[Candidate("b")].startswith("wrong output")
+
+
+def test_close_outputs():
+    verify = close_outputs({torch.bfloat16: 2e-2}, default=1e-3)
+    ref = torch.tensor([1.0, -3.0, float("nan"), float("inf")])
+    assert verify(ref, ref.clone()) is None  # NaN where the reference has NaN; inf == inf
+    assert verify(ref, ref + torch.tensor([5e-4, 0, 0, 0])) is None
+    assert "element 0" in verify(ref, ref + torch.tensor([5e-3, 0, 0, 0]))
+    assert "element 1" in verify(ref, torch.tensor([1.0, float("nan"), float("nan"), 1.0]))
+    assert "torch.float16" in verify(ref, ref.half())
+    bf = torch.randn(1000).bfloat16()
+    assert verify(bf, bf * 1.01) is None and verify(bf, bf * 1.1) is not None
+    assert verify((ref, ref), (ref, ref[:2])) is not None
+    chunked = close_outputs({}, chunk=7)
+    big = torch.randn(100)
+    wrong = big.clone()
+    wrong[93] += 1
+    assert "element 93" in chunked(big, wrong)
+
+
+def test_unsupported_variants_are_neither_tuned_nor_chosen(fresh_cache):
+    calls: list = []
+
+    def gpu_only(x):
+        calls.append("gpu_only")
+        return x
+
+    sel = Selector(
+        "gated",
+        {"portable": lambda x: x, "gpu_only": gpu_only},
+        {},
+        bucket=lambda x: (x.shape[0],),
+        timer=lambda fn: 0.0 if fn() is None else 1.0,
+        tune_on_cpu=True,
+        supported={"gpu_only": lambda device: device.type == "cuda"},
+    )
+    assert sel.choose(torch.ones(2)) == Candidate("portable") and not calls
+    assert [c.variant for c in sel.usable(torch.device("cpu"))] == ["portable"]
+    # A choice on disk that this device cannot run is not taken: it is tuned again.
+    path = next(fresh_cache.glob("cpu__*.json"))
+    data = json.loads(path.read_text())
+    data["gated"]["(3,)"] = {"variant": "gpu_only", "config": {}, "ms": 0.0}
+    path.write_text(json.dumps(data))
+    selection._CACHES.clear()
+    assert sel.choose(torch.ones(3)) == Candidate("portable") and not calls
+
+
+def test_a_revision_makes_choices_on_disk_again(fresh_cache):
+    make_selector([])(torch.ones(3))
+    selection._CACHES.clear()
+
+    def counting_timer(fn):
+        counting_timer.calls += 1
+        return wall_timer(fn)
+
+    counting_timer.calls = 0
+    sel = make_selector([], timer=counting_timer)
+    sel(torch.ones(3))
+    assert counting_timer.calls == 0  # same op, no revision: the disk choice stands
+    revised = Selector(
+        "toy", sel.variants, {"slow": [{"delay": 0.0}], "fast": [{"scale": 1}]},
+        bucket=sel.bucket, timer=counting_timer, tune_on_cpu=True, revision="2",
+    )  # fmt: skip
+    revised(torch.ones(3))
+    assert counting_timer.calls > 0
+    stored = json.loads(next(fresh_cache.glob("cpu__*.json")).read_text())
+    assert set(stored) == {"toy", "toy@2"}
+
+
+def test_extend_attention_variants_are_checked_against_the_pointer_kernel(fresh_cache, caplog):
+    """The real extend kernels under the interpreter: the TMA variant's output passes the
+    check against the pointer kernel's; a fast kernel with a wrong scale is dropped."""
+    from test_kernels_attention import CAPABILITY, MIXED, SCALE, make_batch
+
+    from kernels.extend_attention import OUTPUT_TOLERANCE, flash_extend, tma_extend
+
+    if CAPABILITY is not None and CAPABILITY < (9, 0):
+        pytest.skip("TMA needs sm_90 or newer")
+
+    ran: list = []
+
+    def named(name, fn):
+        def run(*args, **config):
+            ran.append(name)
+            return fn(*args, **config)
+
+        return run
+
+    def wrong_scale(*args, **config):
+        args = (*args[:8], args[8] * 1.5, args[9])
+        return flash_extend(*args, **config)
+
+    config = [dict(block_m=16, block_n=16, num_warps=4, num_stages=2)]
+    sel = Selector(
+        "extend_check",
+        {"flash": named("flash", flash_extend), "tma": named("tma", tma_extend),
+         "bad": named("bad", wrong_scale)},
+        {"flash": config, "tma": config, "bad": config},
+        bucket=lambda *args: (args[0].shape[0],),
+        timer=lambda fn: (fn(), {"flash": 3.0, "tma": 2.0, "bad": 1.0}[ran[-1]])[1],
+        tune_on_cpu=True,
+        verify=close_outputs(OUTPUT_TOLERANCE),
+    )  # fmt: skip
+    query_lens, seq_lens = MIXED
+    b = make_batch(query_lens, seq_lens, 2, 2, 16, 8, torch.bfloat16)
+    args = (
+        b["q"], b["k"], b["v"], b["cache"], b["block_tables"], b["query_start_loc"],
+        b["seq_lens"], max(query_lens), SCALE, torch.empty_like(b["q"]),
+    )  # fmt: skip
+    report: dict = {}
+    with caplog.at_level(logging.WARNING, logger="yinian.kernels"):
+        best, ms = sel.tune(args, report=report)
+    assert best.variant == "tma" and ms == 2.0
+    assert isinstance(report[best], float)
+    assert report[Candidate("bad", tuple(sorted(config[0].items())))].startswith("wrong output")
+    assert "candidate bad" in caplog.text and "candidate tma" not in caplog.text

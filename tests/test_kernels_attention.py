@@ -13,7 +13,9 @@ import torch
 
 from kernels.attention_reference import gather_kv, paged_attention
 from kernels.decode_attention import choose_num_splits, decode_attention, split_kv_decode
-from kernels.extend_attention import extend_attention, flash_extend
+from kernels.extend_attention import EXTEND_CONFIGS, extend_attention, flash_extend, tma_extend
+from kernels.extend_attention import SELECTOR as EXTEND_SELECTOR
+from kernels.extend_attention_tma import TMA_CONFIGS, flash_extend_tma, tma_inputs_ok
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -154,7 +156,7 @@ def test_strided_views_and_out_buffer():
     expected = reference(b, query_lens, seq_lens)
     fused = torch.cat([b["q"], b["k"], b["v"]], dim=1)  # [T, Hq + 2 Hk, D]
     b["q"], b["k"], b["v"] = fused[:, :8], fused[:, 8:10], fused[:, 10:]
-    out = torch.full_like(expected, float("nan"))
+    out = torch.full_like(expected, float("nan"), device=DEVICE)
     assert run_extend(b, query_lens, out=out) is out
     assert_matches(out, expected, torch.float32)
 
@@ -240,3 +242,109 @@ def test_extend_rejects_bad_inputs(case):
     args.update({k: fn(args) for k, fn in EXTEND_ERRORS[case].items()})
     with pytest.raises(ValueError):
         extend_attention(**args)
+
+
+# The TMA kernel (a GPU variant, sm_90+) runs here through the interpreter, which reads
+# descriptor boxes as masked loads: past a descriptor's rows it gives zeros, inside them
+# the real neighbouring rows, as the TMA engine does. On a GPU it runs for real where the
+# hardware has TMA.
+CAPABILITY = torch.cuda.get_device_capability() if DEVICE == "cuda" else None
+needs_tma = pytest.mark.skipif(CAPABILITY is not None and CAPABILITY < (9, 0),
+                               reason="TMA needs sm_90 or newer")  # fmt: skip
+
+
+def run_kernel(kernel, b, query_lens, out=None, **config):
+    args = (
+        b["q"], b["k"], b["v"], b["cache"], b["block_tables"], b["query_start_loc"],
+        b["seq_lens"], max(query_lens), SCALE,
+    )  # fmt: skip
+    return kernel(*args, torch.empty_like(b["q"]) if out is None else out, **config)
+
+
+@needs_tma
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,group,head_dim", SHAPES)
+def test_tma_kernel_mixed_batch_matches_reference(dtype, kv_heads, group, head_dim):
+    query_lens, seq_lens = MIXED
+    b = make_batch(query_lens, seq_lens, kv_heads, group, head_dim, 8, dtype)
+    assert tma_inputs_ok(b["q"], b["k"], b["v"], SCALE)
+    out = run_kernel(flash_extend_tma, b, query_lens, block_m=16, block_n=16, num_warps=4,
+                     num_stages=2)  # fmt: skip
+    assert_matches(out, reference(b, query_lens, seq_lens), dtype)
+
+
+@needs_tma
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16), (64, 64), (64, 128)])
+def test_tma_kernel_tilings(block_m, block_n):
+    """Several query tiles, whole and partial prefix tiles (PREFIX_N = min(block_n, 32)),
+    off-diagonal tiles, and last tiles straddling a sequence's end into the next one."""
+    query_lens, seq_lens = [40, 3, 1, 19, 70], [40, 36, 70, 51, 70]
+    b = make_batch(query_lens, seq_lens, 2, 2, 16, 8, torch.float32, seed=5)
+    out = run_kernel(flash_extend_tma, b, query_lens, block_m=block_m, block_n=block_n,
+                     num_warps=4, num_stages=2)  # fmt: skip
+    assert_matches(out, reference(b, query_lens, seq_lens), torch.float32)
+
+
+@pytest.mark.parametrize("kernel", ["flash", pytest.param("tma", marks=needs_tma)])
+def test_rows_past_a_sequence_never_leak(kernel):
+    """The last sequence's diagonal tile reaches rows past its end (padding, as in a
+    padded batch): NaN there must not reach any stored row (0 * NaN is NaN), and rows
+    outside every sequence are not written."""
+    query_lens, seq_lens = [5, 21], [5, 29]
+    b = make_batch(query_lens, seq_lens, 2, 2, 16, 8, torch.bfloat16, seed=11)
+    expected = reference(b, query_lens, seq_lens)
+    pad = 11
+    for name in ("q", "k", "v"):
+        x = b[name]
+        b[name] = torch.cat(
+            [x, torch.full((pad, *x.shape[1:]), float("nan"), dtype=x.dtype, device=x.device)]
+        )
+    out = torch.full_like(b["q"], 7.0)
+    fn = {"flash": flash_extend, "tma": flash_extend_tma}[kernel]
+    run_kernel(fn, b, query_lens, out=out, block_m=16, block_n=32, num_warps=4, num_stages=2)
+    assert_matches(out[:-pad], expected, torch.bfloat16)
+    assert torch.equal(out[-pad:].cpu(), torch.full_like(out[-pad:].cpu(), 7.0))
+
+
+@needs_tma
+def test_tma_on_fused_projection_views_and_fallbacks():
+    """q, k, v split from one qkv projection suit TMA (rows 16-byte aligned, heads
+    packed); inputs that do not (a head_dim that is not a power of 2, heads not packed)
+    make the "tma" variant run the pointer kernel, with the same result."""
+    query_lens, seq_lens = [9, 1, 17], [9, 30, 40]
+    b = make_batch(query_lens, seq_lens, 2, 4, 16, 4, torch.float32, seed=7)
+    expected = reference(b, query_lens, seq_lens)
+    fused = torch.cat([b["q"], b["k"], b["v"]], dim=1)  # [T, Hq + 2 Hk, D]
+    b["q"], b["k"], b["v"] = fused[:, :8], fused[:, 8:10], fused[:, 10:]
+    assert tma_inputs_ok(b["q"], b["k"], b["v"], SCALE)
+    config = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    assert_matches(run_kernel(flash_extend_tma, b, query_lens, **config), expected, torch.float32)
+
+    wide = torch.zeros(b["k"].shape[0], 4, 16, device=DEVICE)
+    wide[:, ::2] = b["k"]
+    strided = wide[:, ::2]  # heads 2 * D apart
+    assert not tma_inputs_ok(b["q"], strided, b["v"], SCALE)
+    b["k"] = strided
+    assert_matches(run_kernel(tma_extend, b, query_lens, **config), expected, torch.float32)
+
+    odd = make_batch(query_lens, seq_lens, 2, 1, 24, 4, torch.float32, seed=8)
+    assert not tma_inputs_ok(odd["q"], odd["k"], odd["v"], SCALE)
+    assert_matches(run_kernel(tma_extend, odd, query_lens, **config),
+                   reference(odd, query_lens, seq_lens), torch.float32)  # fmt: skip
+
+
+def test_gpu_variants_are_offered_only_where_they_run():
+    cpu = [c.variant for c in EXTEND_SELECTOR.usable(torch.device("cpu"))]
+    assert set(cpu) == {"flash"}
+    assert {c.variant for c in EXTEND_SELECTOR.candidates} == {"flash", "tma"}
+
+
+def test_tuning_checks_against_the_pointer_kernel_and_stays_short():
+    """The tuner's verify reference is the first candidate: the pointer kernel with its
+    first config. Every prefill shape is tuned at start-up, so the list stays short."""
+    first = EXTEND_SELECTOR.candidates[0]
+    assert first.variant == "flash" and first.kwargs == EXTEND_CONFIGS[0]
+    assert len(EXTEND_SELECTOR.candidates) == len(EXTEND_CONFIGS) + len(TMA_CONFIGS) <= 15
+    assert len({(c.variant, c.config) for c in EXTEND_SELECTOR.candidates}) == len(
+        EXTEND_SELECTOR.candidates
+    )
