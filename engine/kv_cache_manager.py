@@ -135,20 +135,23 @@ class KVCacheManager:
         if table:
             self.pool.free(list(reversed(table)))
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Publishes the sequence's fully computed blocks to the prefix cache.
 
         Called after the model ran, so a block is shared only once its keys and
-        values are really in it.
+        values are really in it; `num_computed` (default: the sequence's count)
+        bounds the tokens a finished step wrote.
         """
         if not self.enable_prefix_caching:
             return
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
         table = self.tables.get(seq.seq_id)
         done = self._committed.get(seq.seq_id, 0)
-        if not table or seq.num_computed_tokens // self.block_size <= done:
+        if not table or num_computed // self.block_size <= done:
             return  # no newly full block (the common decode step)
         hashes = self.block_hashes(seq)
-        full = min(seq.num_computed_tokens // self.block_size, len(hashes), len(table))
+        full = min(num_computed // self.block_size, len(hashes), len(table))
         for i in range(done, full):
             self.pool.cache_block(table[i], hashes[i])
         self._committed[seq.seq_id] = max(done, full)

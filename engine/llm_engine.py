@@ -224,6 +224,10 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if params.n != 1:
             raise ValueError("remote prefill needs n == 1")
+        if self._inflight is not None and self._inflight.sample is not None:
+            # Blocks freed while that step runs may still receive its writes; the ones
+            # reserved here are written from outside the engine's stream.
+            self._inflight.sample.wait()
         seq = self._new_sequence(
             request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
         )

@@ -143,16 +143,18 @@ class ModelRunner:
         query_start, seq_lens, tables = narrow.views(h32.numpy())
         tables = tables.reshape(batch, max_blocks)
         sample_seqs: list[Sequence] = []
-        sources: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        source = None  # the in-flight step's sampled tokens (async scheduling)
         start = num_sampled = p = 0
         for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
             c = seq.num_computed_tokens
             ids[start : start + k] = seq.all_token_ids[c : c + k]
-            for row in range(start + k, start + n):  # pending: known only on the device
+            if k < n:  # its last token is pending: known only on the device
                 tensor, index = seq.pending_token
-                ids[row] = 0
-                sources.setdefault(id(tensor), (tensor, []))[1].append(p)
-                pend_rows[p], pend_src[p] = row, index
+                if n - k != 1 or (source is not None and tensor is not source):
+                    raise RuntimeError("a step may read one pending token per sequence, "
+                                       "all from the step before it")  # fmt: skip
+                source = tensor
+                ids[start + k], pend_rows[p], pend_src[p] = 0, start + k, index
                 p += 1
             positions[start : start + n] = np.arange(c, c + n)
             tables[i, : len(table)] = table
@@ -169,9 +171,8 @@ class ModelRunner:
         d64, d32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
         ids_d, pos_d, slots_d, rows_d, pend_rows_d, pend_src_d = wide.views(d64)
         query_start_d, seq_lens_d, tables_d = narrow.views(d32)
-        for tensor, entries in sources.values():
-            at = torch.tensor(entries, device=dev) if len(sources) > 1 else slice(None)
-            ids_d.index_copy_(0, pend_rows_d[at], tensor.index_select(0, pend_src_d[at]))
+        if source is not None:
+            ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=query_start_d,
@@ -211,6 +212,10 @@ class ModelRunner:
         ):
             self.num_tokens_processed += batch
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if not inputs.sample_seqs:
+                return None
+            if len(inputs.sample_seqs) < batch:  # a one-token prompt chunk samples nothing
+                logits = logits.index_select(0, inputs.sample_rows)
             return self.sampler.launch(logits, inputs.sample_seqs)
         hidden = self.forward(inputs)
         if not inputs.sample_seqs:

@@ -61,7 +61,7 @@ def process_token(
         return
     if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
         seq.finish(FinishReason.LENGTH)
-    elif seq.num_tokens >= max_model_len:
+    elif len(seq.all_token_ids) >= max_model_len:  # not num_tokens: a token may be pending
         seq.finish(FinishReason.LENGTH)
 
 

@@ -47,9 +47,13 @@ class PendingSample:
             self._event.record()
         self._host = host
 
-    def result(self) -> SampleResult:
+    def wait(self) -> None:
+        """Until the step that sampled these tokens (and all queued before it) is done."""
         if self._event is not None:
             self._event.synchronize()
+
+    def result(self) -> SampleResult:
+        self.wait()
         seqs, wanted = self.seqs, self._wanted
         token_ids = self._host[0].tolist()
         logprobs = [None] * len(seqs)
@@ -93,12 +97,13 @@ class Sampler:
             if made[row] < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
                 if banned:
-                    logits[row, list(banned)] = _NEG_INF
+                    logits[row].index_fill_(0, _on(logits, sorted(banned)), _NEG_INF)
         chosen = self._choose(logits, seqs)
         extra = ()
         if wanted:
-            rows = raw_logprobs[wanted]
-            chosen_lp = rows.gather(1, chosen[wanted][:, None]).squeeze(1)
+            at = _on(logits, wanted)
+            rows = raw_logprobs.index_select(0, at)
+            chosen_lp = rows.gather(1, chosen.index_select(0, at)[:, None]).squeeze(1)
             ranks = (rows > chosen_lp[:, None]).sum(-1) + 1
             top_n = max(seqs[i].params.logprobs for i in wanted)
             top_vals, top_ids = rows.topk(max(top_n, 1), dim=-1)
@@ -110,40 +115,50 @@ class Sampler:
         if all(s.params.greedy for s in seqs):
             return chosen
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])
+        at = _on(logits, rows)
+        probs = _filtered_probs(logits.index_select(0, at), [seqs[i].params for i in rows])
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device
-            ).exponential_(generator=self.generator)
+            drawn = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise.index_copy_(
+                0, _on(logits, unseeded), drawn.exponential_(generator=self.generator)
+            )
         for j, i in enumerate(rows):
             if seqs[i].generator is not None:
                 noise[j].exponential_(generator=seqs[i].generator)
-        chosen[rows] = (probs / noise).argmax(dim=-1)
-        return chosen
+        return chosen.index_copy_(0, at, (probs / noise).argmax(dim=-1))
+
+
+def _on(like: torch.Tensor, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`values` as a tensor on `like`'s device. On CUDA it goes through pinned memory
+    without blocking: a plain copy from pageable memory would wait for the device to
+    finish everything queued, which async scheduling must not do."""
+    if like.device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=like.device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    temps = _on(logits, [p.temperature for p in params], logits.dtype)
     logits = logits / temps[:, None]
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+        ks = _on(logits, [k if k > 0 else vocab for k in top_ks])
         sorted_desc = logits.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (ks.clamp(max=vocab) - 1)[:, None])
         logits = logits.masked_fill(logits < kth, _NEG_INF)
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):  # decided on the host: no device sync
-        top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+        top_ps = _on(logits, [p.top_p for p in params], probs.dtype)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
         drop_sorted = before >= top_ps[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p > 0 for p in params):
-        min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+        min_ps = _on(logits, [p.min_p for p in params], probs.dtype)
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)

@@ -30,6 +30,7 @@ class Step:
     and whether the next step may be queued before they are."""
 
     seqs: list[Sequence]
+    computed: list[int] | None = None  # each sequence's computed tokens once this step ran
     sample: PendingSample | None = None
     overlap: bool = False
     error: str | None = None
@@ -62,6 +63,7 @@ def launch(engine) -> Step | None:
         engine.runner.model.layer_hook = None
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         seq.num_computed_tokens += n
+    step.computed = [seq.num_computed_tokens for seq in batch.seqs]
     step.overlap = (
         engine.async_scheduling
         and step.sample is not None
@@ -86,8 +88,9 @@ def _may_run_ahead(engine, seq: Sequence) -> bool:
 def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
     """Reads a step's tokens back and applies them: append, stop checks, outputs."""
     for seq in step.seqs:
-        if seq.request_id in engine.requests:
-            touched[seq.request_id] = engine.requests[seq.request_id]
+        state = engine.requests.get(seq.request_id)
+        if state is not None and any(s is seq for s in state.seqs):  # not a reused id
+            touched[seq.request_id] = state
     error, result = step.error, None
     if error is None and step.sample is not None:
         try:
@@ -100,9 +103,9 @@ def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
             if not seq.is_finished:
                 _fail(engine, seq, error)
         return
-    for seq in step.seqs:
-        if not seq.is_finished:
-            engine.kv.commit(seq)
+    for seq, computed in zip(step.seqs, step.computed):
+        if not seq.is_finished:  # only what this step wrote: a later one may still be running
+            engine.kv.commit(seq, computed)
     if result is None:
         return
     for i, seq in enumerate(step.sample.seqs):

@@ -121,3 +121,38 @@ def test_abort_while_a_step_is_queued(folder):
             assert out.request_id != "a"
     assert outputs["b"].finished and outputs["b"].outputs[0].token_ids == expected
     assert fast.get_stats()["kv_blocks_used"] == 0
+
+
+def test_context_limit_gives_the_same_last_token(folder):
+    """A request without max_tokens runs to the model's context length: async
+    scheduling must not end it one token early because a token is pending."""
+    sync, fast = _engines(folder, max_model_len=32)
+    prompts = [list(range(5, 25)), list(range(40, 49))]
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0] for o in sync.generate(prompts, params)]
+    got = [o.outputs[0] for o in fast.generate(prompts, params)]
+    assert [len(o.token_ids) for o in expected] == [12, 23]
+    assert [(o.token_ids, o.finish_reason) for o in got] == [
+        (o.token_ids, o.finish_reason) for o in expected
+    ]
+
+
+def test_a_reused_request_id_gets_no_output_of_the_aborted_one(folder):
+    """Abort a request while its step is queued and add a new one under the same id
+    (what a decode worker's fallback does): the old step's token must not reach it."""
+    sync, fast = _engines(folder)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    second = random_prompts(512, (9,), seed=45)[0]
+    expected = sync.generate([second], params)[0].outputs[0].token_ids
+    engine = fast.engine
+    engine.add_request("r", random_prompts(512, (30,), seed=44)[0], params)
+    for _ in range(3):
+        engine.step()
+    assert engine._inflight is not None
+    engine.abort_request("r")
+    engine.add_request("r", second, params)
+    outputs = []
+    while engine.has_work():
+        outputs += [o for o in engine.step() if o.request_id == "r"]
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs)  # nothing stale, empty
