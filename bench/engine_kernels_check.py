@@ -58,6 +58,15 @@ def compare_greedy(ref_out, got_out) -> dict:
     }
 
 
+def _settings(load_format: str, max_tokens: int, options: dict):
+    """Engine options and greedy sampling shared by every engine a check compares."""
+    # No start-up warm-up: these runs tune only the shapes they meet (speed is not measured).
+    kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, warmup=False,
+              **options)  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    return kw, params
+
+
 def _reference(kw: dict, folder, prompts, params, math_sdpa: bool = False):
     """Prompt logits and greedy outputs of the engine on its torch references; with
     `math_sdpa`, torch's attention runs on its math backend instead of the fused ones."""
@@ -77,10 +86,7 @@ def _reference(kw: dict, folder, prompts, params, math_sdpa: bool = False):
 def reference_spread(folder, load_format: str, prompts, max_tokens: int, **options) -> dict:
     """The same comparison between two torch references: fused SDPA against math
     SDPA. It shows how far torch's own attention backends part on these weights."""
-    # No start-up warm-up: these runs tune only the shapes they meet (speed is not measured).
-    kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, warmup=False,
-              **options)  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    kw, params = _settings(load_format, max_tokens, options)
     ref_logits, ref_outs = _reference(kw, folder, prompts, params)
     alt_logits, alt_outs = _reference(kw, folder, prompts, params, math_sdpa=True)
     errors = [float((a - r).norm() / r.norm()) for a, r in zip(alt_logits, ref_logits)]
@@ -93,10 +99,7 @@ def reference_spread(folder, load_format: str, prompts, max_tokens: int, **optio
 def check_model(
     folder, load_format: str, prompts: list[list[int]], max_tokens: int, **options
 ) -> dict:
-    # No start-up warm-up: these runs tune only the shapes they meet (speed is not measured).
-    kw = dict(dtype="bfloat16", device="cuda", load_format=load_format, seed=0, warmup=False,
-              **options)  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    kw, params = _settings(load_format, max_tokens, options)
     ref_logits, ref_outs = _reference(kw, folder, prompts, params)
     fast = LLM(folder, kernels="auto", **kw)
     try:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.sampler import PendingSample, Sampler, SampleResult
+from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
 from kernels import ops
 
@@ -223,19 +223,6 @@ class ModelRunner:
         with ops.using(self.kernel_mode):
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         return self.sampler.launch(logits, inputs.sample_seqs)
-
-    def execute(
-        self,
-        seqs: list[Sequence],
-        num_new: list[int],
-        block_tables: list[list[int]],
-        force_eager: bool = False,
-    ) -> tuple[list[Sequence], SampleResult | None]:
-        """One step, waited for: the sequences that sampled and their tokens."""
-        pending = self.launch(seqs, num_new, block_tables, force_eager)
-        if pending is None:
-            return [], None
-        return pending.seqs, pending.result()
 
 
 class _Layout:

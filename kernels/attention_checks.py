@@ -8,6 +8,7 @@ that names the argument, rather than read wrongly by the kernel.
 from __future__ import annotations
 
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,6 +25,16 @@ def fit_float32(dtype: torch.dtype, block_n: int, num_stages: int) -> tuple[int,
     if dtype == torch.float32:
         return min(block_n, 32), min(num_stages, 2)
     return block_n, num_stages
+
+
+def extend_tiles(q, seq_lens, max_query_len: int, block_m: int, block_n: int, num_stages: int):
+    """An extend launch's grid (q head, query tile, sequence) and its tile sizes, fitted
+    to float32 inputs: (grid, block_m, block_n, num_stages)."""
+    block_n, num_stages = fit_float32(q.dtype, block_n, num_stages)
+    if q.dtype == torch.float32:
+        block_m = min(block_m, 64)
+    grid = (q.shape[1], triton.cdiv(max_query_len, block_m), seq_lens.shape[0])
+    return grid, block_m, block_n, num_stages
 
 
 def check_device(q: torch.Tensor, kernel) -> None:

@@ -31,7 +31,7 @@ from kernels.attention_checks import (
     check_index,
     check_out,
     dot_precision,
-    fit_float32,
+    extend_tiles,
 )
 from kernels.extend_attention_tma import (
     TMA_CONFIGS,
@@ -180,11 +180,9 @@ def flash_extend(
     """One launch with an explicit config (what the Selector times); inputs already checked."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, kv_heads = cache.shape[2], cache.shape[3]
-    batch = seq_lens.shape[0]
-    block_n, num_stages = fit_float32(q.dtype, block_n, num_stages)
-    if q.dtype == torch.float32:
-        block_m = min(block_m, 64)
-    grid = (q_heads, triton.cdiv(max_query_len, block_m), batch)
+    grid, block_m, block_n, num_stages = extend_tiles(
+        q, seq_lens, max_query_len, block_m, block_n, num_stages
+    )
     _extend_kernel[grid](
         q, k, v, cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,

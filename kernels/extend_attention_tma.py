@@ -34,7 +34,7 @@ try:  # Triton >= 3.3: host-side tensor descriptors
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from kernels.attention_checks import dot_precision, fit_float32
+from kernels.attention_checks import dot_precision, extend_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -202,10 +202,9 @@ def flash_extend_tma(
     """One launch with an explicit config; inputs checked, and tma_inputs_ok(q, k, v, scale)."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, kv_heads = cache.shape[2], cache.shape[3]
-    block_n, num_stages = fit_float32(q.dtype, block_n, num_stages)
-    if q.dtype == torch.float32:
-        block_m = min(block_m, 64)
-    grid = (q_heads, triton.cdiv(max_query_len, block_m), seq_lens.shape[0])
+    grid, block_m, block_n, num_stages = extend_tiles(
+        q, seq_lens, max_query_len, block_m, block_n, num_stages
+    )
     _extend_tma_kernel[grid](
         q, _descriptor(k, block_n), _descriptor(v, block_n), cache, block_tables,
         query_start_loc, seq_lens, out, scale * LOG2E,
