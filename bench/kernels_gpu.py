@@ -1,8 +1,8 @@
 """The kernels benchmark on one GPU, in one run: ceilings first, then every
 kernel against its reference (time, GB/s or TFLOP/s, fraction of the ceiling,
-speed-up), the engine with kernels and CUDA graphs checked against itself on
-the torch references, and end-to-end decode of the llama3-8b preset against
-the roofline and the engine baseline.
+speed-up), and end-to-end decode of the llama3-8b preset against the roofline
+and the engine baseline. (The engine's agreement with its torch references is
+bench/engine_checks_gpu.py.)
 
 Usage: python -m bench.kernels_gpu --out DIR [--skip SECTION ...]
 Writes DIR/kernels.json after every section and prints a table last.
@@ -16,13 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench.ceilings import measure
 from bench.engine_baseline import decode_rate, offline_throughput
 from bench.sections import Sections
 from engine import LLM
-from engine.make_model import TINY_PRESETS, preset_config, write_model
+from engine.make_model import preset_config, write_model
 
 BASELINE = Path(__file__).parent / "results" / "engine_baseline.json"
 
@@ -37,34 +35,6 @@ def roofline_step_s(config, ceilings: dict, batch: int, context: int) -> float:
     )
     return max(
         bytes_moved / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_bf16_tflops"] * 1e12)
-    )
-
-
-def engine_checks(tmp: Path, section: Sections) -> None:
-    """Each model's check is its own section (a run cut short keeps the finished ones)."""
-    from bench.engine_kernels_check import check_model, reference_spread
-
-    def prompts_for(preset: str, lengths, vocab: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(len(preset) * 1000 + sum(map(ord, preset)))
-        return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-    tiny = dict(max_num_seqs=16)
-    big = dict(max_num_seqs=16, max_model_len=8192)
-    for preset in TINY_PRESETS:
-        folder = write_model(tmp / preset, preset_config(preset), seed=1)
-        prompts = prompts_for(preset, (1, 17, 200, 700), 500)
-        section(preset, lambda f=folder, p=prompts: check_model(f, "auto", p, 24, **tiny))
-    llama = write_model(tmp / "llama3-8b", preset_config("llama3-8b"), weights=False)
-    llama_prompts = prompts_for("llama3-8b", (1, 33, 500, 2000), 120000)
-    section("llama3-8b", lambda: check_model(llama, "dummy", llama_prompts, 24, **big))
-    # How far two torch references (fused vs math SDPA) part on the same weights.
-    qwen_prompts = prompts_for("tiny-qwen3", (1, 17, 200, 700), 500)
-    section(
-        "torch_sdpa_spread",
-        lambda: {
-            "tiny-qwen3": reference_spread(tmp / "tiny-qwen3", "auto", qwen_prompts, 24, **tiny),
-            "llama3-8b": reference_spread(llama, "dummy", llama_prompts, 24, **big),
-        },
     )
 
 
@@ -130,11 +100,12 @@ def main() -> None:
 
     section("attention", lambda: kernels_attention.run(ceilings))
     section("ops", lambda: kernels_ops.run(ceilings))
-    if "engine_checks" not in args.skip:
-        results["engine_checks"] = {}
-        engine_checks(tmp, Sections(results["engine_checks"], section.path, args.skip, results))
     section("end_to_end", lambda: end_to_end(tmp, ceilings))
     print_table(results)
+
+
+def _times(x) -> str:
+    return f"{x:.2f}x" if isinstance(x, int | float) else ""
 
 
 def print_table(results: dict) -> None:
@@ -152,30 +123,18 @@ def print_table(results: dict) -> None:
             f"| {row['op']} | {row.get('shape')} | {row.get('ms', 0):.4f} | "
             f"{row.get('achieved', 0):.0f} {row.get('metric', '')} | "
             f"{row.get('fraction_of_ceiling', 0):.2f} | {row.get('target')} | "
-            f"{row.get('speedup_vs_reference', 0):.1f}x | {row.get('speedup_vs_sdpa', '')} | "
+            f"{row.get('speedup_vs_reference', 0):.1f}x | {_times(row.get('speedup_vs_sdpa'))} | "
             f"{row.get('max_rel_error', 0):.1e} |"
-        )
-    checks = results.get("engine_checks") or {}
-    spread = checks.get("torch_sdpa_spread") or {}
-    for name, check in [*checks.items(), *((f"{k} (math vs fused SDPA)", v)
-                                            for k, v in spread.items())]:  # fmt: skip
-        if not isinstance(check, dict) or "greedy" not in check:
-            continue
-        parts = [
-            "equal" if g["equal"] else f"parts at {g['diverged_at']} (gap {g['logprob_gap']:.4f})"
-            for g in check["greedy"]
-        ]
-        print(
-            f"engine check {name}: passed={check.get('passed', '-')} logits rel err "
-            f"{max(check['prompt_logits_rel_error']):.2e}; greedy: {', '.join(parts)}"
         )
     e2e = results.get("end_to_end") or {}
     for d in e2e.get("decode", []):
+        floor = d.get("fraction_of_bandwidth_floor")
         print(
             f"decode batch {d['batch']} @ {d['context']}: {d['tokens_per_s']:.1f} tok/s, "
-            f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline, "
-            f"{d.get('fraction_of_bandwidth_floor', 0):.2f} of the bandwidth floor "
-            f"(async scheduling off: {d.get('step_ms_without_async_scheduling', 0):.2f} ms/step)"
+            f"{d['step_ms']:.2f} ms/step, {d['step_over_roofline']:.2f}x roofline"
+            + (f", {floor:.2f} of the bandwidth floor" if floor is not None else "")
+            + f" (async scheduling off: {d.get('step_ms_without_async_scheduling', 0):.2f} "
+            "ms/step)"
         )
     if "offline" in e2e:
         o = e2e["offline"]

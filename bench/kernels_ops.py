@@ -27,6 +27,7 @@ from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
 from kernels.moe_routing import moe_route
 from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import SELECTOR as ROTARY_SELECTOR
 from kernels.rotary import rotary_cache_write
 
 DTYPE = torch.bfloat16
@@ -138,12 +139,19 @@ def bench_rotary(ceilings: dict) -> dict:
         + TOKENS * (q_heads + kv_heads) * head_dim * elem  # rotated q, k
         + TOKENS * 2 * kv_heads * head_dim * elem  # k, v cache entries
     )
-    return bandwidth_row(
+    result = bandwidth_row(
         "rotary_cache_write", f"T={TOKENS} q{q_heads} kv{kv_heads} d{head_dim} bf16", nbytes,
         lambda: rotary_cache_write(q, k, v, positions, cos_sin, cache, slots),
         lambda: reference.rotary_cache_write(q, k, v, positions, cos_sin, ref_cache, slots),
         ceilings, err,
     )  # fmt: skip
+    # What the tuner measured for each launch config of this bucket, and what it chose.
+    args = (q, k, v, positions, cos_sin, cache, slots)
+    report: dict = {}
+    ROTARY_SELECTOR.tune(args, None, report)
+    result["configs"] = [{"config": c.kwargs, "tuner_ms": ms} for c, ms in report.items()]
+    result["selected"] = ROTARY_SELECTOR.choose(*args).kwargs
+    return result
 
 
 def bench_moe(ceilings: dict) -> list[dict]:

@@ -136,7 +136,7 @@ def _bucket(q, k, v, positions, cos_sin, cache, slot_mapping):
     )  # fmt: skip
 
 
-_selector = Selector("rotary", {"per_token": _launch}, {"per_token": _CONFIGS}, _bucket)
+SELECTOR = Selector("rotary", {"per_token": _launch}, {"per_token": _CONFIGS}, _bucket)
 
 
 def _check_qk(q, k, positions, cos_sin) -> None:
@@ -171,7 +171,7 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotation of q [T, Hq, D] and k [T, Hk, D]; returns new contiguous tensors."""
     _check_qk(q, k, positions, cos_sin)
-    return _selector(q, k, None, positions, cos_sin, None, None)
+    return SELECTOR(q, k, None, positions, cos_sin, None, None)
 
 
 def rotary_cache_write(
@@ -202,4 +202,4 @@ def rotary_cache_write(
     for name, t in (("v", v), ("cache", cache), ("slot_mapping", slot_mapping)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    return _selector(q, k, v, positions, cos_sin, cache, slot_mapping)
+    return SELECTOR(q, k, v, positions, cos_sin, cache, slot_mapping)

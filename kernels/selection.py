@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -143,20 +144,27 @@ def _disk_cache(device: str) -> _DiskCache:
     return _CACHES[device]
 
 
-def cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 7) -> float:
-    """Median milliseconds of `fn` with CUDA events."""
+def cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 7,
+               sample_ms: float = 0.5) -> float:  # fmt: skip
+    """Median milliseconds of `fn` with CUDA events. Each sample times enough
+    back-to-back calls to fill about `sample_ms`, so the host's launch latency, which
+    is the same for every config, does not blur the ranking of short kernels."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
+
+    def sample(calls: int) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        return start.elapsed_time(end) / calls
+
+    calls = max(1, min(64, math.ceil(sample_ms / max(sample(1), 1e-3))))
+    times = sorted(sample(calls) for _ in range(reps))
+    return times[len(times) // 2]
 
 
 class Selector:
