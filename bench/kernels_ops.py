@@ -29,6 +29,7 @@ from kernels.moe_routing import moe_route
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import SELECTOR as ROTARY_SELECTOR
 from kernels.rotary import rotary_cache_write
+from kernels.selection import cuda_timer
 
 DTYPE = torch.bfloat16
 SPEEDUP_TARGET = 3.0
@@ -38,20 +39,11 @@ MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_WIDTH = 128, 8, 2048, 768  # Qwen3-30B-A
 MOE_TOKENS = (64, 4096)  # a decode batch (weight-bandwidth bound), a prefill (FLOP bound)
 
 
-def time_ms(fn, reps: int = 20, rounds: int = 5) -> float:
-    """Median over rounds of the mean time of `reps` back-to-back calls (hides launch latency)."""
-    fn()
-    torch.cuda.synchronize()
-    results = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        results.append(start.elapsed_time(end) / reps)
-    return sorted(results)[len(results) // 2]
+def time_ms(fn, sample_ms: float = 3.0, rounds: int = 9) -> float:
+    """GPU milliseconds of one call: the median over `rounds` samples, each about
+    `sample_ms` of back-to-back calls queued while the GPU is held busy, so the host's
+    launch cost (of the op's Python wrapper too) stays out, as inside a CUDA graph."""
+    return cuda_timer(fn, warmup=1, reps=rounds, sample_ms=sample_ms)
 
 
 def rel_error(got, want) -> float:
@@ -69,9 +61,9 @@ def row(op, shape, ms, metric, achieved, ceiling, target, ref_ms, err) -> dict:
     }  # fmt: skip
 
 
-def bandwidth_row(op, shape, nbytes, kernel, ref, ceilings, err, reps=20) -> dict:
-    ms = time_ms(kernel, reps)
-    ref_ms = time_ms(ref, max(2, reps // 4), rounds=3)
+def bandwidth_row(op, shape, nbytes, kernel, ref, ceilings, err) -> dict:
+    ms = time_ms(kernel)
+    ref_ms = time_ms(ref, rounds=5)
     gbps = nbytes / (ms / 1e3) / 1e9
     return row(op, shape, ms, "GB/s", gbps, ceilings["copy_gbps"], 0.8, ref_ms, err)
 
@@ -166,8 +158,8 @@ def bench_moe(ceilings: dict) -> list[dict]:
         args = (x, w13, w2, weights, ids)
         # The first call also tunes the launch config for this bucket.
         err = rel_error(fused_moe(*args), reference.fused_moe(*args))
-        ms = time_ms(lambda args=args: fused_moe(*args), reps=10)
-        ref_ms = time_ms(lambda args=args: reference.fused_moe(*args), 2, rounds=3)
+        ms = time_ms(lambda args=args: fused_moe(*args))
+        ref_ms = time_ms(lambda args=args: reference.fused_moe(*args), sample_ms=0, rounds=3)
         shape = f"T={tokens} E={experts} k={top_k} H={hidden} I={width} bf16"
         if tokens <= 256:
             hit = torch.unique(ids).numel()

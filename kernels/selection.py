@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from kernels.selection_verify import snapshot
 
 logger = logging.getLogger("yinian.kernels")
+SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on Hopper)
 
 
 def triton_version() -> str:
@@ -146,15 +148,22 @@ def _disk_cache(device: str) -> _DiskCache:
 
 def cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 7,
                sample_ms: float = 0.5) -> float:  # fmt: skip
-    """Median milliseconds of `fn` with CUDA events. Each sample times enough
-    back-to-back calls to fill about `sample_ms`, so the host's launch latency, which
-    is the same for every config, does not blur the ranking of short kernels."""
+    """Median GPU milliseconds of one call of `fn`, from CUDA events. Each sample times
+    enough back-to-back calls to fill about `sample_ms`, queued while the GPU is held
+    busy (torch.cuda._sleep), so they run without gaps: the host's launch cost, which
+    would otherwise decide the time of short kernels on a busy host, stays out."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - began  # queueing one call (the GPU may still run it)
 
     def sample(calls: int) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        if hasattr(torch.cuda, "_sleep"):  # long enough for the host to queue every call
+            torch.cuda._sleep(int((2 * calls * host_s + 1e-4) * SLEEP_CYCLES_PER_S))
         start.record()
         for _ in range(calls):
             fn()
