@@ -11,9 +11,7 @@ attention into logprob differences of several 1e-2, more than the near-tie
 width, so the same comparison also runs between two torch references (one
 with attention on float32 copies of its inputs) to show that spread; in
 float32 both engines round far below it, and greedy tokens must match.
-
-Usage: python -m bench.engine_kernels_check --out DIR [--dtypes ...] [--skip NAME ...]
-Writes DIR/engine_checks.json after every model and prints a summary last.
+bench/engine_checks_gpu.py runs these checks for each model and dtype.
 """
 
 from __future__ import annotations
