@@ -13,6 +13,7 @@ import pytest
 
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import list_workers
 
 
 def stream_request(url: str, results: list, i: int, max_tokens: int, started: threading.Event):
@@ -92,6 +93,20 @@ def test_killed_worker_fails_its_streams_and_survivor_serves(model_dir):
             assert resp.status_code == 200, resp.text
 
 
+def wait_for_load(mesh, running: int, timeout: float = 30.0) -> None:
+    """Until the scheduler's latest load reports add up to `running` requests running
+    and none waiting (reports arrive on a timer, later on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = list_workers(mesh)
+        counts = (sum(w.num_requests_running for w in workers),
+                  sum(w.num_requests_waiting for w in workers))  # fmt: skip
+        if counts == (running, 0):
+            return
+        assert time.monotonic() < deadline, f"load stayed at {counts}, waiting for {running}"
+        time.sleep(0.05)
+
+
 def test_saturated_mesh_answers_429_with_retry_after(model_dir):
     spec = MeshSpec(
         model=str(model_dir("tiny-llama")),
@@ -106,7 +121,7 @@ def test_saturated_mesh_answers_429_with_retry_after(model_dir):
         busy = threading.Thread(target=stream_request, args=(mesh.url, results, 0, 800, started))
         busy.start()
         assert started.wait(30)
-        time.sleep(1.0)  # the worker's load report shows it busy
+        wait_for_load(mesh, running=1)  # the scheduler has the worker's report of it busy
         resp = httpx.post(
             f"{mesh.url}/v1/completions",
             timeout=30,
@@ -117,7 +132,7 @@ def test_saturated_mesh_answers_429_with_retry_after(model_dir):
         assert resp.json()["error"]["type"] == "rate_limit_error"
         busy.join(timeout=120)
         assert results[0][1] is None
-        time.sleep(1.0)
+        wait_for_load(mesh, running=0)
         again = httpx.post(
             f"{mesh.url}/v1/completions",
             timeout=30,
