@@ -229,9 +229,11 @@ def tma_extend(q, k, v, cache, block_tables, query_start_loc, seq_lens, max_quer
     """The TMA kernel where the inputs suit it (aligned rows, heads packed, a power-of-2
     head_dim), else the pointer kernel with the same config: a bucket's choice holds for
     every input in it."""
-    kernel = flash_extend_tma if tma_inputs_ok(q, k, v, scale) else flash_extend
     args = (q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out)
-    return kernel(*args, **config)
+    if tma_inputs_ok(q, k, v, scale):
+        return flash_extend_tma(*args, **config)
+    config.pop("pipeline", None)  # a TMA-only option
+    return flash_extend(*args, **config)
 
 
 # Between two correct kernels outputs differ by rounding (p is rounded to the input
@@ -245,7 +247,7 @@ SELECTOR = Selector(
     _bucket,
     supported={"tma": tma_device_ok},
     verify=close_outputs(OUTPUT_TOLERANCE),
-    revision="tma",  # choices made before the TMA variants existed are made again
+    revision="tma-pipeline",  # choices made before these candidates existed are made again
 )
 
 

@@ -20,7 +20,9 @@ The cached prefix (phase 1) stays a paged pointer gather, in tiles of at most 32
 full-width gathers spill registers on sm_90, even though a prompt without a prefix never
 runs them. Softmax as in Triton's fused-attention tutorial: the row max is taken on raw
 scores and scaled once per row, so each score costs one FMA (s * scale - max) before
-exp2, and P @ V accumulates into the rescaled accumulator inside the dot.
+exp2, and P @ V accumulates into the rescaled accumulator inside the dot. With PIPELINE,
+phase 2 issues each tile's q k^T one tile ahead, so the tensor cores compute the next
+scores while the same warps run this tile's softmax.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """One online-softmax step (base 2) over a [BLOCK_N] tile of keys and values.
+def _attend_scores(s, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One online-softmax step (base 2) over the scores s = q k^T of a [BLOCK_N] tile of
+    keys, and its values.
 
     m_i is kept in scaled units; qk_scale > 0, so max(s) * scale == max(s * scale)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -57,13 +59,20 @@ def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr,
 
 
 @triton.jit
+def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return _attend_scores(s, v, m_i, l_i, acc, qk_scale, keep, MASKED, DOT_PRECISION)
+
+
+@triton.jit
 def _extend_tma_kernel(
     q_ptr, k_desc, v_desc, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale,  # softmax scale * log2(e), > 0
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFIX_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFIX_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles first
@@ -120,26 +129,49 @@ def _extend_tma_kernel(
                                      DOT_PRECISION)  # fmt: skip
 
     # 2. New tokens before this query tile (all inside the sequence): TMA tiles, no mask.
+    # PIPELINE issues the next tile's q k^T before this tile's softmax, so the tensor
+    # cores run it while the same warps compute exp2 (the scores ride one tile ahead, in
+    # registers); the tile after the last one is the first diagonal tile (key
+    # diagonal_start <= m0 < num_new, inside the sequence), finished here under its mask.
     col = kv_head * HEAD_DIM
     diagonal_start = m0 // BLOCK_N * BLOCK_N
-    for start in range(0, diagonal_start, BLOCK_N):
-        k = k_desc.load([q_start + start, col])
-        v = v_desc.load([q_start + start, col])
-        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs_n, False,
-                                     DOT_PRECISION)  # fmt: skip
+    rest_start = diagonal_start
+    if PIPELINE:
+        k = k_desc.load([q_start, col])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for start in range(0, diagonal_start, BLOCK_N):
+            k_next = k_desc.load([q_start + start + BLOCK_N, col])
+            v = v_desc.load([q_start + start, col])
+            s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
+            m_i, l_i, acc = _attend_scores(s, v, m_i, l_i, acc, qk_scale, offs_n, False,
+                                           DOT_PRECISION)  # fmt: skip
+            s = s_next
+        tokens = diagonal_start + offs_n
+        v = v_desc.load([q_start + diagonal_start, col])
+        v = tl.where((tokens < num_new)[:, None], v, 0.0)  # see the straddling tile below
+        causal = tokens[None, :] <= offs_m[:, None]
+        m_i, l_i, acc = _attend_scores(s, v, m_i, l_i, acc, qk_scale, causal, True,
+                                       DOT_PRECISION)  # fmt: skip
+        rest_start += BLOCK_N
+    else:
+        for start in range(0, diagonal_start, BLOCK_N):
+            k = k_desc.load([q_start + start, col])
+            v = v_desc.load([q_start + start, col])
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs_n, False,
+                                         DOT_PRECISION)  # fmt: skip
 
     # 3. The diagonal, causal mask: tiles wholly inside the sequence, then the one that
     # straddles its end. The first diagonal tile holds key diagonal_start <= every row,
     # so no valid row meets an all-masked tile before it has a finite running max.
     diagonal_end = tl.minimum(m0 + BLOCK_M, num_new)
     whole_end = diagonal_start + (diagonal_end - diagonal_start) // BLOCK_N * BLOCK_N
-    for start in range(diagonal_start, whole_end, BLOCK_N):
+    for start in range(rest_start, whole_end, BLOCK_N):
         k = k_desc.load([q_start + start, col])
         v = v_desc.load([q_start + start, col])
         causal = (start + offs_n)[None, :] <= offs_m[:, None]
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, causal, True,
                                      DOT_PRECISION)  # fmt: skip
-    if whole_end < diagonal_end:
+    if (whole_end < diagonal_end) & (whole_end >= rest_start):
         tokens = whole_end + offs_n
         k = k_desc.load([q_start + whole_end, col])
         v = v_desc.load([q_start + whole_end, col])
@@ -197,9 +229,10 @@ def _descriptor(x: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 def flash_extend_tma(
     q, k, v, cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out,
-    *, block_m, block_n, num_warps, num_stages,
+    *, block_m, block_n, num_warps, num_stages, pipeline=False,
 ):  # fmt: skip
-    """One launch with an explicit config; inputs checked, and tma_inputs_ok(q, k, v, scale)."""
+    """One launch with an explicit config; inputs checked, and tma_inputs_ok(q, k, v, scale).
+    pipeline: issue each tile's q k^T one tile ahead (see phase 2 of the kernel)."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, kv_heads = cache.shape[2], cache.shape[3]
     grid, block_m, block_n, num_stages = extend_tiles(
@@ -211,7 +244,7 @@ def flash_extend_tma(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=q_heads // kv_heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PREFIX_N=min(block_n, 32),
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), PIPELINE=pipeline,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -220,15 +253,19 @@ def flash_extend_tma(
 # Hopper shapes for head_dim 128, none spilling registers on sm_90. 4 warps = one
 # warpgroup on 64 query rows; at 64 x 64 with 3 stages two CTAs share an SM, whose
 # barriers do not couple (one's softmax overlaps the other's matrix products); on an H200
-# it and 128 x 64 with 8 warps and 4 stages are the fastest for long causal prompts.
-# Deeper pipelines and wider key tiles (64 x 128) trade that second CTA for fewer,
-# longer TMA copies. 8 warps = two warpgroups of 64 query rows sharing each K/V tile;
-# TMA frees the registers pointer loads held, so 128 x 128 tiles fit too.
+# it and 128 x 64 with 8 warps are the fastest for long causal prompts. Deeper pipelines
+# and wider key tiles (64 x 128) trade that second CTA for fewer, longer TMA copies.
+# 8 warps = two warpgroups of 64 query rows sharing each K/V tile; TMA frees the
+# registers pointer loads held, so 128 x 128 tiles fit too. Pipelined scores keep two
+# tiles of scores live: at 64 x 64 with 4 warps ptxas then serializes the wgmma
+# instructions (too few registers), so they run at 64 x 32 with 4 warps (203 registers)
+# or 128 x 64 with 8 warps (255 registers, one CTA per SM).
 TMA_CONFIGS = [
     dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     dict(block_m=64, block_n=128, num_warps=4, num_stages=3),
-    dict(block_m=64, block_n=32, num_warps=4, num_stages=4),
     dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
     dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
     dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=4, pipeline=True),
+    dict(block_m=64, block_n=32, num_warps=4, num_stages=4, pipeline=True),
 ]

@@ -274,18 +274,24 @@ def test_tma_kernel_mixed_batch_matches_reference(dtype, kv_heads, group, head_d
 
 
 @needs_tma
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16), (64, 64), (64, 128)])
-def test_tma_kernel_tilings(block_m, block_n):
+def test_tma_kernel_tilings(block_m, block_n, pipeline):
     """Several query tiles, whole and partial prefix tiles (PREFIX_N = min(block_n, 32)),
-    off-diagonal tiles, and last tiles straddling a sequence's end into the next one."""
+    off-diagonal tiles, and last tiles straddling a sequence's end into the next one; with
+    the scores pipelined one tile ahead too (the first diagonal tile whole, straddling,
+    or the only one, after zero or more off-diagonal tiles)."""
     query_lens, seq_lens = [40, 3, 1, 19, 70], [40, 36, 70, 51, 70]
     b = make_batch(query_lens, seq_lens, 2, 2, 16, 8, torch.float32, seed=5)
     out = run_kernel(flash_extend_tma, b, query_lens, block_m=block_m, block_n=block_n,
-                     num_warps=4, num_stages=2)  # fmt: skip
+                     num_warps=4, num_stages=2, pipeline=pipeline)  # fmt: skip
     assert_matches(out, reference(b, query_lens, seq_lens), torch.float32)
 
 
-@pytest.mark.parametrize("kernel", ["flash", pytest.param("tma", marks=needs_tma)])
+@pytest.mark.parametrize(
+    "kernel",
+    ["flash", pytest.param("tma", marks=needs_tma), pytest.param("tma_pipeline", marks=needs_tma)],
+)
 def test_rows_past_a_sequence_never_leak(kernel):
     """The last sequence's diagonal tile reaches rows past its end (padding, as in a
     padded batch): NaN there must not reach any stored row (0 * NaN is NaN), and rows
@@ -300,8 +306,10 @@ def test_rows_past_a_sequence_never_leak(kernel):
             [x, torch.full((pad, *x.shape[1:]), float("nan"), dtype=x.dtype, device=x.device)]
         )
     out = torch.full_like(b["q"], 7.0)
-    fn = {"flash": flash_extend, "tma": flash_extend_tma}[kernel]
-    run_kernel(fn, b, query_lens, out=out, block_m=16, block_n=32, num_warps=4, num_stages=2)
+    fn = {"flash": flash_extend, "tma": flash_extend_tma, "tma_pipeline": flash_extend_tma}[kernel]
+    extra = {"pipeline": True} if kernel == "tma_pipeline" else {}
+    run_kernel(fn, b, query_lens, out=out, block_m=16, block_n=32, num_warps=4, num_stages=2,
+               **extra)  # fmt: skip
     assert_matches(out[:-pad], expected, torch.bfloat16)
     assert torch.equal(out[-pad:].cpu(), torch.full_like(out[-pad:].cpu(), 7.0))
 
