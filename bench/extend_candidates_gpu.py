@@ -1,0 +1,139 @@
+"""Every extend-attention candidate, forced, on the engine's shapes, checked on the GPU.
+
+The tuner checks each candidate's output against the pointer kernel's, but a candidate
+that faults the GPU takes the process with it. This sweep runs each candidate in its own
+process (CUDA_LAUNCH_BLOCKING=1, so a fault names its launch) over float32 and bfloat16,
+the tiny presets' head shapes and Llama-3-8B's, a mixed batch (cached prefixes, one-token
+prompts, last tiles straddling a sequence's end) with k and v as views of a fused qkv
+projection, as the engine passes them; each result is compared with the torch reference.
+
+Usage: `python -m bench.extend_candidates_gpu --out FILE` (prints a table last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+# (kv heads, query heads per kv head, head dim): tiny-llama, tiny-qwen3, llama3-8b.
+SHAPES = [(2, 2, 16), (1, 4, 32), (8, 4, 128)]
+BATCHES = {
+    "mixed": ([40, 3, 1, 19, 70, 130], [40, 36, 70, 51, 70, 300]),
+    "long": ([1000], [1000]),
+}
+BLOCK_SIZE = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: TRITON_INTERPRET=1
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _inputs(query_lens, seq_lens, kv_heads, group, head_dim, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = 2 * sum(pages) + 3
+    cache = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen,
+                        device=DEVICE, dtype=dtype)  # fmt: skip
+    order = torch.randperm(num_blocks, generator=gen, device=DEVICE)
+    block_tables = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, count in enumerate(pages):
+        block_tables[i, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    q_heads = kv_heads * group
+    total = sum(query_lens)
+    qkv = torch.randn(total, q_heads + 2 * kv_heads, head_dim, generator=gen, device=DEVICE,
+                      dtype=dtype)  # fmt: skip
+    q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=1)
+    start = 0
+    for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        for j in range(n):  # the new tokens' keys and values, also written to the cache
+            pos = length - n + j
+            block, slot = block_tables[i, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE
+            cache[block, 0, slot] = k[start + j]
+            cache[block, 1, slot] = v[start + j]
+        start += n
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k, v, cache, block_tables, starts.to(DEVICE), lens.to(DEVICE)
+
+
+def check_one(index: int) -> None:
+    """Candidate `index` of the extend Selector on every dtype, shape and batch: a JSON
+    line per case, printed as it passes (a fault's case is the one after the last line)."""
+    from kernels.attention_reference import paged_attention
+    from kernels.extend_attention import SELECTOR
+
+    candidate = SELECTOR.candidates[index]
+    fn = SELECTOR.variants[candidate.variant]
+    for dtype in (torch.float32, torch.bfloat16):
+        for kv_heads, group, head_dim in SHAPES:
+            for name, (query_lens, seq_lens) in BATCHES.items():
+                q, k, v, cache, tables, starts, lens = _inputs(
+                    query_lens, seq_lens, kv_heads, group, head_dim, dtype
+                )
+                scale = head_dim**-0.5
+                out = torch.full_like(q, float("nan"))
+                fn(q, k, v, cache, tables, starts, lens, max(query_lens), scale, out,
+                   **candidate.kwargs)  # fmt: skip
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                ref = paged_attention(q.float(), cache.float(), tables, query_lens, seq_lens,
+                                      scale)  # fmt: skip
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                row = {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": f"kv{kv_heads} g{group} d{head_dim}",
+                    "batch": name,
+                    "max_rel_error": err,
+                    "ok": err <= TOLERANCE[dtype],
+                }
+                print(json.dumps(row), flush=True)
+
+
+def _run_child(index: int) -> tuple[list[dict], list[str] | None]:
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.extend_candidates_gpu", "--one", str(index)],
+        capture_output=True, text=True, env=env, timeout=400,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return rows, None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-3:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the JSON here")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one candidate
+    args = parser.parse_args()
+    if args.one is not None:
+        check_one(args.one)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernels.extend_attention import SELECTOR
+
+    candidates = SELECTOR.candidates
+    with ThreadPoolExecutor(4) as pool:  # children share the GPU; compiling is the cost
+        outcomes = list(pool.map(_run_child, range(len(candidates))))
+    results = []
+    for candidate, (rows, error) in zip(candidates, outcomes):
+        entry = {"variant": candidate.variant, "config": candidate.kwargs, "rows": rows}
+        failed = [r for r in rows if not r["ok"]]
+        if error:
+            entry["error"] = error
+            verdict = f"FAULT after {len(rows)} cases: " + " | ".join(error)
+        else:
+            verdict = f"{len(failed)} wrong: {failed}" if failed else f"all {len(rows)} ok"
+        results.append(entry)
+        print(f"{candidate.variant:5} {candidate.kwargs}: {verdict}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
