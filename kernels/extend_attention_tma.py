@@ -258,11 +258,12 @@ def flash_extend_tma(
 # 8 warps = two warpgroups of 64 query rows sharing each K/V tile; TMA frees the
 # registers pointer loads held, so 128 x 128 tiles fit too. Pipelined scores keep two
 # tiles of scores live: at 64 x 64 with 4 warps ptxas then serializes the wgmma
-# instructions (too few registers), so they run at 64 x 32 with 4 warps (203 registers),
+# instructions (too few registers), so they run at 64 x 32 with 4 warps (146 registers),
 # where they beat the same tiles unpipelined (1.36 against 1.42 ms at 8k tokens on an
 # H200). With 8 warps, pipelined 128 x 64 ran correctly in bf16 but no faster than
 # unpipelined, and faulted (illegal address) at its float32 fit, 64 x 32 with 8 warps:
-# not a candidate, since a fault ends the process that tunes.
+# not a candidate, since a fault ends the process that tunes. `python -m
+# kernels.compile_report` prints every candidate's registers, spills and shared memory.
 TMA_CONFIGS = [
     dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     dict(block_m=64, block_n=128, num_warps=4, num_stages=3),

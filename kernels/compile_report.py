@@ -1,0 +1,104 @@
+"""Compile the extend-attention candidates for sm_90 on any machine, no GPU needed.
+
+Triton lowers each kernel to PTX for a Hopper target and the bundled ptxas assembles it;
+its report gives what decides a candidate's speed before it ever runs: registers a
+thread, bytes spilled to local memory, and whether ptxas serialized the wgmma
+instructions (too few registers to keep them in flight). Run it without
+TRITON_INTERPRET (the interpreter replaces the kernels with Python):
+`python -m kernels.compile_report` prints one JSON line per candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.attention_checks import dot_precision
+from kernels.extend_attention import SELECTOR, _extend_kernel
+from kernels.extend_attention_tma import _extend_tma_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 4, 128, 16  # Llama-3-8B's attention heads
+_COMMON = {
+    "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
+    "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32",
+}  # fmt: skip
+
+
+def _ptxas() -> str:
+    default = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return os.environ.get("TRITON_PTXAS_PATH", default)
+
+
+def _signature(variant: str, block_n: int) -> tuple:
+    """(kernel, signature, constexprs) of one extend variant at bf16 and HEAD_DIM."""
+    constexprs = dict(GROUP=GROUP, NUM_KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM,
+                      PAGE_SIZE=PAGE_SIZE, DOT_PRECISION=dot_precision(torch.bfloat16))  # fmt: skip
+    if variant == "tma":
+        box = f"tensordesc<bf16[{block_n}, {HEAD_DIM}]>"
+        sig = {"q_ptr": "*bf16", "k_desc": box, "v_desc": box, **_COMMON}
+        strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table")
+        return _extend_tma_kernel, sig | dict.fromkeys(strides, "i32"), constexprs
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", **_COMMON}
+    strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+               "stride_ot", "stride_oh", "stride_table")  # fmt: skip
+    constexprs["BLOCK_D"] = HEAD_DIM
+    return _extend_kernel, sig | dict.fromkeys(strides, "i32"), constexprs
+
+
+def compile_candidate(variant: str, config: dict) -> dict:
+    """ptxas's report on one candidate compiled for sm_90a: registers, spill bytes,
+    whether its wgmma instructions were serialized."""
+    config = dict(config)
+    kernel, sig, constexprs = _signature(variant, config["block_n"])
+    constexprs.update(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"])
+    if variant == "tma":
+        constexprs.update(PREFIX_N=min(config["block_n"], 32),
+                          PIPELINE=bool(config.get("pipeline", False)))  # fmt: skip
+    # As a launch specializes them: 16-byte aligned pointers, strides multiples of 16
+    # (a fused qkv projection's rows and heads); a block table's row length may be odd.
+    aligned = [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride_")]
+    attrs = {
+        (kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in aligned
+        if n != "stride_table"
+    }
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    compiled = triton.compile(src, target=TARGET, options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.o")],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {
+        "variant": variant,
+        "config": config,
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(spills.group(1)) if spills else None,
+        "shared_bytes": compiled.metadata.shared,
+        "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report,
+    }
+
+
+def main() -> None:
+    for candidate in SELECTOR.candidates:
+        print(json.dumps(compile_candidate(candidate.variant, candidate.kwargs)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
