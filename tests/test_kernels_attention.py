@@ -318,14 +318,15 @@ def test_rows_past_a_sequence_never_leak(kernel):
 def test_tma_on_fused_projection_views_and_fallbacks():
     """q, k, v split from one qkv projection suit TMA (rows 16-byte aligned, heads
     packed); inputs that do not (a head_dim that is not a power of 2, heads not packed)
-    make the "tma" variant run the pointer kernel, with the same result."""
+    make the "tma" variant run the pointer kernel, with the same result (a pipelined
+    config too: the pointer kernel has no such option and ignores it)."""
     query_lens, seq_lens = [9, 1, 17], [9, 30, 40]
     b = make_batch(query_lens, seq_lens, 2, 4, 16, 4, torch.float32, seed=7)
     expected = reference(b, query_lens, seq_lens)
     fused = torch.cat([b["q"], b["k"], b["v"]], dim=1)  # [T, Hq + 2 Hk, D]
     b["q"], b["k"], b["v"] = fused[:, :8], fused[:, 8:10], fused[:, 10:]
     assert tma_inputs_ok(b["q"], b["k"], b["v"], SCALE)
-    config = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    config = dict(block_m=16, block_n=16, num_warps=4, num_stages=2, pipeline=True)
     assert_matches(run_kernel(flash_extend_tma, b, query_lens, **config), expected, torch.float32)
 
     wide = torch.zeros(b["k"].shape[0], 4, 16, device=DEVICE)
