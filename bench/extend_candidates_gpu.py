@@ -48,14 +48,13 @@ def _inputs(query_lens, seq_lens, kv_heads, group, head_dim, dtype, seed=0):
     qkv = torch.randn(total, q_heads + 2 * kv_heads, head_dim, generator=gen, device=DEVICE,
                       dtype=dtype)  # fmt: skip
     q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=1)
-    start = 0
-    for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
-        for j in range(n):  # the new tokens' keys and values, also written to the cache
-            pos = length - n + j
-            block, slot = block_tables[i, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE
-            cache[block, 0, slot] = k[start + j]
-            cache[block, 1, slot] = v[start + j]
-        start += n
+    # The new tokens' keys and values are also in the cache, at their positions' slots.
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
+    pos = torch.cat([torch.arange(length - n, length) for n, length in zip(query_lens, seq_lens)])
+    blocks = block_tables[seq.to(DEVICE), (pos // BLOCK_SIZE).to(DEVICE)].long()
+    slots = (pos % BLOCK_SIZE).to(DEVICE)
+    cache[blocks, 0, slots] = k
+    cache[blocks, 1, slots] = v
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q, k, v, cache, block_tables, starts.to(DEVICE), lens.to(DEVICE)

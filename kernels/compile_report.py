@@ -27,10 +27,7 @@ from kernels.extend_attention_tma import _extend_tma_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 4, 128, 16  # Llama-3-8B's attention heads
-_COMMON = {
-    "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
-    "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32",
-}  # fmt: skip
+INDEX_ARGS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")  # int32 tensors
 
 
 def _ptxas() -> str:
@@ -38,20 +35,29 @@ def _ptxas() -> str:
     return os.environ.get("TRITON_PTXAS_PATH", default)
 
 
+def _arg_type(name: str, block_n: int) -> str:
+    """A runtime argument's Triton type, from the kernels' naming: bf16 tensors, int32
+    index tensors, int32 strides, K/V tensor descriptors of one [block_n, HEAD_DIM] box."""
+    if name.endswith("_desc"):
+        return f"tensordesc<bf16[{block_n}, {HEAD_DIM}]>"
+    if name.endswith("_ptr"):
+        return "*i32" if name in INDEX_ARGS else "*bf16"
+    if name.startswith("stride_"):
+        return "i32"
+    if name == "qk_scale":
+        return "fp32"
+    raise ValueError(f"no type known for kernel argument {name!r}")
+
+
 def _signature(variant: str, block_n: int) -> tuple:
     """(kernel, signature, constexprs) of one extend variant at bf16 and HEAD_DIM."""
+    kernel = _extend_tma_kernel if variant == "tma" else _extend_kernel
     constexprs = dict(GROUP=GROUP, NUM_KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM,
                       PAGE_SIZE=PAGE_SIZE, DOT_PRECISION=dot_precision(torch.bfloat16))  # fmt: skip
-    if variant == "tma":
-        box = f"tensordesc<bf16[{block_n}, {HEAD_DIM}]>"
-        sig = {"q_ptr": "*bf16", "k_desc": box, "v_desc": box, **_COMMON}
-        strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table")
-        return _extend_tma_kernel, sig | dict.fromkeys(strides, "i32"), constexprs
-    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", **_COMMON}
-    strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
-               "stride_ot", "stride_oh", "stride_table")  # fmt: skip
-    constexprs["BLOCK_D"] = HEAD_DIM
-    return _extend_kernel, sig | dict.fromkeys(strides, "i32"), constexprs
+    if variant != "tma":
+        constexprs["BLOCK_D"] = HEAD_DIM
+    names = [n for n in kernel.arg_names if not n.isupper()]  # constexprs are upper case
+    return kernel, {n: _arg_type(n, block_n) for n in names}, constexprs
 
 
 def compile_candidate(variant: str, config: dict) -> dict:
