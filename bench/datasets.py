@@ -42,7 +42,7 @@ class BenchRequest:
 
 def load_tokenizer(path: str | Path):
     """The model folder's tokenizer (engine.tokenizer.Tokenizer)."""
-    from engine.tokenizer import Tokenizer
+    from basis.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(path)
     if tok is None:

@@ -5,12 +5,12 @@ llm = LLM(model="path/to/hf-folder")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
+from basis.sampling_params import SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.sequence import Logprob
 
 __all__ = [

@@ -18,18 +18,23 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from basis.sampling_params import SamplingParams
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
+from engine.disaggregation import Reservation
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
+    """The engine for services: requests in, streams of outputs back, and the few
+    facts about the engine that a worker advertises or hands to a KV transport.
+    Only the engine thread touches the engine; nothing outside reaches into it."""
+
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
+        self._engine = engine
         self.tokenizer = engine.tokenizer
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -60,8 +65,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         if self._stopped:
             raise RuntimeError("the engine has shut down")
-        prompt_ids = self.engine.tokenize(prompt)
-        self.engine.validate(prompt_ids, params)
+        prompt_ids = self._engine.tokenize(prompt)
+        self._engine.validate(prompt_ids, params)
         stream = self.open_stream(request_id)
         kwargs = dict(
             prompt=prompt,
@@ -102,7 +107,97 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def call(self, fn):
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+        handoff=None,
+        hold_seconds: float | None = None,
+    ) -> None:
+        """Queues a request whose stream is already open (`open_stream`), between
+        steps; its outputs carry only what is new (delta). Prefill role: `handoff`
+        sends the prompt's KV out layer by layer, `hold_seconds` keeps its blocks
+        after it finishes until `release_held`. A bad request is a ValueError."""
+        await self._call(
+            lambda e: e.add_request(
+                request_id,
+                prompt_ids,
+                params,
+                priority=priority,
+                namespace=namespace,
+                prompt_token_ids=prompt_ids,
+                delta=True,
+                handoff=handoff,
+                hold_seconds=hold_seconds,
+            )
+        )
+
+    async def reserve_remote(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+    ) -> Reservation | None:
+        """Decode role: blocks for the prompt, to be filled from outside (None: not
+        free now). Open the request's stream first."""
+        return await self._call(
+            lambda e: e.reserve_remote(
+                request_id, prompt_ids, params, priority=priority, namespace=namespace, delta=True
+            )
+        )
+
+    async def commit_remote(
+        self, request_id: str, token_id: int, logprob: float = 0.0, top=None
+    ) -> None:
+        """Decode role: the reserved blocks are filled; the request continues after the
+        prefill side's first token (which its stream receives)."""
+        await self._call(lambda e: e.commit_remote(request_id, token_id, logprob, top))
+
+    async def cancel_remote(self, request_id: str) -> None:
+        """Decode role: drops a reservation; the request's stream stays open."""
+        await self._call(lambda e: e.abort_request(request_id))
+
+    async def release_held(self, request_id: str) -> bool:
+        """Prefill role: frees the blocks held for `request_id`'s handoff."""
+        return await self._call(lambda e: e.release_held(request_id))
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check a request must pass; a ValueError changes nothing."""
+        self._engine.validate(prompt_ids, params)
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self._engine.num_layers
+
+    @property
+    def kv_caches(self) -> list:
+        """The KV cache, one tensor per layer: what KV transports read and write."""
+        return self._engine.kv_caches
+
+    @property
+    def device(self):
+        return self._engine.device
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._engine.num_kv_blocks
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._engine.config.max_num_seqs
+
+    async def _call(self, fn):
         """Runs `fn(engine)` on the engine thread between steps and returns its
         result. A RequestOutput it returns also goes to that request's stream."""
         if self._stopped:
@@ -131,13 +226,25 @@ class AsyncLLM:
         return events
 
     def shutdown(self) -> None:
+        """Stops the engine thread; every open stream ends with an error."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
         with self._lock:
             queues, self._queues = self._queues, {}
         for loop, queue in queues.values():
-            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError("the engine has shut down"))
+            try:
+                loop.call_soon_threadsafe(
+                    queue.put_nowait, RuntimeError("the engine has shut down")
+                )
+            except RuntimeError:  # that caller's loop is gone
+                pass
+
+    def close(self) -> None:
+        """Shuts down and frees the device memory (weights, KV cache, graphs)."""
+        self.shutdown()
+        if not self._thread.is_alive():
+            self._engine.close()
 
     # -- engine thread -------------------------------------------------------
     def _apply_pending(self) -> None:
@@ -151,16 +258,16 @@ class AsyncLLM:
                 continue
             try:
                 if kind == "abort":
-                    self.engine.abort_request(request_id)
+                    self._engine.abort_request(request_id)
                 else:
-                    self.engine.add_request(request_id, **kwargs)
+                    self._engine.add_request(request_id, **kwargs)
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
         self._publish()
 
     def _run_call(self, fn, future, loop) -> None:
         try:
-            result, error = fn(self.engine), None
+            result, error = fn(self._engine), None
         except Exception as exc:
             result, error = None, exc
         if isinstance(result, RequestOutput):
@@ -210,21 +317,21 @@ class AsyncLLM:
     def _loop(self) -> None:
         while not self._stopped:
             self._apply_pending()
-            if self.engine.disagg.expire(self.engine):
+            if self._engine.expire_held():
                 self._publish()  # freed blocks show in the next load report
-            if not self.engine.has_work():
+            if not self._engine.has_work():
                 if self._stale:
                     self._publish(force=True)  # the snapshot readers see while idle
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as exc:
                 logger.exception("engine step failed outside the model")
-                ids = list(self.engine.requests)
+                ids = list(self._engine.requests)
                 for request_id in ids:
-                    self.engine.abort_request(request_id)
+                    self._engine.abort_request(request_id)
                 for request_id in ids:
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"), True)
                 continue
@@ -238,8 +345,8 @@ class AsyncLLM:
         now = time.monotonic()
         self._stale = True
         if force or now - self._stats_at >= 0.05:
-            self._stats, self._stats_at, self._stale = self.engine.get_stats(), now, False
-        events = self.engine.drain_kv_events()
+            self._stats, self._stats_at, self._stale = self._engine.get_stats(), now, False
+        events = self._engine.drain_kv_events()
         if events.stored or events.removed:
             with self._lock:
                 self._events.stored.extend(events.stored)

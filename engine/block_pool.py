@@ -9,35 +9,8 @@ rows of a batch write their keys there.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import numpy as np
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids, namespace: str = "") -> int:
-    """A stable 64-bit hash of (parent block hash, this block's tokens, namespace).
-
-    Stable across processes and machines, so workers, the scheduler and the KV
-    store agree on which prefix a block holds.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent_hash or 0).to_bytes(8, "little"))
-    h.update(namespace.encode())
-    h.update(b"\x00")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def hash_prompt_blocks(token_ids, block_size: int, namespace: str = "") -> list[int]:
-    """Hashes of every full block of a token sequence, chained from the first."""
-    hashes: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], namespace)
-        hashes.append(parent)
-    return hashes
 
 
 @dataclass(eq=False, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from basis.flags import setting
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
@@ -12,33 +14,53 @@ _KERNELS = ("auto", "triton", "torch")
 
 @dataclass(slots=True)
 class EngineConfig:
-    dtype: str = "auto"
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    load_format: str = "auto"
-    seed: int = 0  # for dummy weights and unseeded sampling
-    block_size: int = 16
+    dtype: str = setting(
+        "auto",
+        "weights and activations: auto (the checkpoint's), float32, bfloat16 or float16",
+        choices=_DTYPES,
+    )
+    device: str = setting("auto", "cuda, cuda:N or cpu (auto: cuda when available)")
+    load_format: str = setting(
+        "auto",
+        "safetensors, or dummy (random weights: config and tokenizer only)",
+        choices=_LOAD_FORMATS,
+    )
+    seed: int = setting(0, "seed for dummy weights and unseeded sampling")
+    block_size: int = setting(16, "tokens per KV cache block")
     # KV cache size: a block count, or a fraction of free device memory (CUDA) /
     # a byte budget (CPU) when num_gpu_blocks is None.
-    num_gpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 * 1024 * 1024
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    max_prefill_chunk: int | None = None  # cap on one sequence's prompt tokens per step
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    num_gpu_blocks: int | None = setting(
+        None, "KV cache blocks (default: sized from memory, see the next two)"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of the GPU's memory the engine may use (weights, KV cache, graphs)"
+    )
+    cpu_kv_cache_bytes: int = setting(256 * 1024 * 1024, "KV cache bytes on the CPU")
+    max_model_len: int | None = setting(
+        None, "context length served (default: the model's max_position_embeddings)"
+    )
+    max_num_seqs: int = setting(256, "sequences in one batch at most")
+    max_num_batched_tokens: int = setting(8192, "tokens in one step at most")
+    enable_chunked_prefill: bool = setting(True, "split long prompts over several steps")
+    max_prefill_chunk: int | None = setting(None, "cap on one sequence's prompt tokens per step")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of equal prefixes")
+    scheduling_policy: str = setting(
+        "fcfs", "fcfs, or priority (lower value first)", choices=_POLICIES
+    )
     # "auto": Triton kernels on CUDA, torch references on CPU; "triton": kernels
     # everywhere (CPU through Triton's interpreter); "torch": references everywhere.
-    kernels: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs
+    kernels: str = setting(
+        "auto", "auto (Triton on CUDA, torch on CPU), triton or torch", choices=_KERNELS
+    )
+    enforce_eager: bool = setting(False, "no CUDA graphs")
     # Run every prefill shape bucket once at start-up (CUDA kernels only), so that
     # no request waits for kernel compilation or autotuning.
-    warmup: bool = True
+    warmup: bool = setting(True, "run every prefill shape once at start-up (CUDA)")
     # Queue each step on the device before reading the last one back, so host work
     # overlaps device work (None: on for CUDA, off on CPU where nothing overlaps).
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = setting(
+        None, "queue each step before reading the last one back (default: on for CUDA)"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

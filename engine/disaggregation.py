@@ -16,11 +16,12 @@ batch like any other.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.output_processor import RequestState, process_token
-from engine.outputs import RequestOutput
-from engine.sequence import FinishReason, Logprob, Sequence, SequenceStatus
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Logprob, Sequence
 
 
 class Handoff:
@@ -51,10 +52,16 @@ class Lease:
     expires: float
 
 
-@dataclass
 class Disaggregation:
-    held: dict[str, Lease] = field(default_factory=dict)
-    remote: dict[str, RequestState] = field(default_factory=dict)
+    """The engine's handoff state: leases of held prefills, reservations of remote
+    ones. It changes the scheduler only through the scheduler's own methods."""
+
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, kv_caches: list):
+        self.kv = kv
+        self.scheduler = scheduler
+        self.kv_caches = kv_caches
+        self.held: dict[str, Lease] = {}
+        self.remote: dict[str, RequestState] = {}
 
     # -- prefill role ----------------------------------------------------------
     def finishing_handoffs(self, seqs: list[Sequence], num_new: list[int]) -> list[Sequence]:
@@ -68,13 +75,12 @@ class Disaggregation:
                 out.append(seq)
         return out
 
-    def layer_hook(self, engine, seqs: list[Sequence]):
-        caches = engine.runner.kv_caches
+    def layer_hook(self, seqs: list[Sequence]):
+        caches = self.kv_caches
         for seq in seqs:
-            ids = engine.kv.block_ids(seq)
-            seq.handoff.start(
-                list(ids[seq.handoff.skip_blocks : -(-seq.prompt_len // engine.config.block_size)])
-            )
+            ids = self.kv.block_ids(seq)
+            last = -(-seq.prompt_len // self.kv.block_size)
+            seq.handoff.start(list(ids[seq.handoff.skip_blocks : last]))
 
         def hook(layer: int) -> None:
             for seq in seqs:
@@ -82,65 +88,69 @@ class Disaggregation:
 
         return hook
 
-    def hold(self, engine, state: RequestState, lease_seconds: float) -> None:
-        """Keeps a finished request's blocks until `release` (or the lease ends)."""
-        for seq in state.seqs:
-            if seq in engine.scheduler.running:
-                engine.scheduler.running.remove(seq)
-        self.release(engine, state.request_id)  # a retried request's earlier lease
+    def hold(self, state: RequestState, lease_seconds: float) -> None:
+        """Keeps a finished request's blocks (the scheduler has let go of its
+        sequences) until `release` or the end of the lease."""
+        self.release(state.request_id)  # a retried request's earlier lease
         self.held[state.request_id] = Lease(state, time.monotonic() + lease_seconds)
 
-    def release(self, engine, request_id: str) -> bool:
+    def release(self, request_id: str) -> bool:
         lease = self.held.pop(request_id, None)
         if lease is None:
             return False
         for seq in lease.state.seqs:
-            engine.kv.free(seq)
+            self.kv.free(seq)
         return True
 
-    def expire(self, engine) -> list[str]:
+    def expire(self) -> list[str]:
         now = time.monotonic()
         gone = [rid for rid, lease in self.held.items() if lease.expires <= now]
         for rid in gone:
-            self.release(engine, rid)
+            self.release(rid)
         return gone
 
     # -- decode role -----------------------------------------------------------
-    def reserve(self, engine, state: RequestState) -> Reservation | None:
+    def reserve(self, state: RequestState) -> Reservation | None:
         seq = state.seqs[0]
-        cached = engine.kv.find_cached_prefix(seq)
-        missing = seq.prompt_len - len(cached) * engine.config.block_size
-        if not engine.kv.allocate_slots(seq, missing, cached):
+        cached = self.kv.find_cached_prefix(seq)
+        missing = seq.prompt_len - len(cached) * self.kv.block_size
+        if not self.kv.allocate_slots(seq, missing, cached):
             return None
         self.remote[state.request_id] = state
-        ids = engine.kv.block_ids(seq)
+        ids = self.kv.block_ids(seq)
         return Reservation(
             state.request_id, len(cached), list(ids[len(cached) :]), seq.num_computed_tokens
         )
 
     def commit(
-        self, engine, request_id: str, token_id: int, logprob: float, top: dict[int, Logprob] | None
-    ) -> RequestOutput:
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: float,
+        top: dict[int, Logprob] | None,
+        max_model_len: int,
+    ) -> RequestState:
+        """The reserved blocks are filled: publish them, append the prefill side's
+        first token, and hand the sequence to the scheduler (unless that token ends it)."""
         state = self.remote.pop(request_id)
         seq = state.seqs[0]
         seq.num_computed_tokens = seq.prompt_len
-        engine.kv.commit(seq)
+        self.kv.commit(seq)
         now = time.monotonic()
         state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or now
-        process_token(seq, token_id, logprob, top, engine.max_model_len)
+        process_token(seq, token_id, logprob, top, max_model_len)
         if seq.is_finished:
-            engine.kv.free(seq)
+            self.kv.free(seq)
         else:
-            seq.status = SequenceStatus.RUNNING
-            engine.scheduler.running.append(seq)
-        return engine._emit(state)
+            self.scheduler.resume_prefilled(seq)
+        return state
 
-    def cancel(self, engine, request_id: str) -> None:
+    def cancel(self, request_id: str) -> RequestState | None:
         """Drops a reservation; the request is gone (its caller decides what next)."""
         state = self.remote.pop(request_id, None)
         if state is None:
-            return
+            return None
         for seq in state.seqs:
-            engine.kv.free(seq)
+            self.kv.free(seq)
             seq.finish(FinishReason.ABORT)
-        engine.requests.pop(request_id, None)
+        return state

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from basis.block_hash import hash_block_tokens
+from engine.block_pool import BlockPool, KVBlock
 from engine.sequence import Sequence
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_config import ModelConfig
+from basis.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,8 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if config.is_mla:
+            return cls.latent(config.num_hidden_layers, block_size, config.latent_dim, dtype)
         return cls(
             config.num_hidden_layers,
             block_size,
@@ -54,6 +56,11 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         """One block across all layers."""
         return self.bytes_per_block_per_layer * self.num_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token across all layers: what a context of n tokens costs, n times over."""
+        return self.bytes_per_block // self.block_size
 
     def allocate(self, num_blocks: int, device) -> list[torch.Tensor]:
         cache = torch.zeros(

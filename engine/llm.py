@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from basis.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -72,3 +72,7 @@ class LLM:
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()
+
+    def close(self) -> None:
+        """Frees the device memory (weights, KV cache, graphs); generate fails after."""
+        self.engine.close()

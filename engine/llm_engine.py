@@ -14,20 +14,20 @@ from pathlib import Path
 
 import torch
 
+from basis.model_config import ModelConfig
+from basis.sampling_params import SamplingParams
+from basis.text_stream import TextStream
+from basis.tokenizer import Tokenizer
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Disaggregation, Reservation
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState, make_output
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.stepping import Step, complete, launch
-from engine.text_stream import TextStream
-from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,7 @@ class LLMEngine:
         self.model_dir = Path(model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.max_model_len = self.model_config.context_length(self.config.max_model_len)
         if (
             not self.config.enable_chunked_prefill
             and self.config.max_num_batched_tokens < self.max_model_len
@@ -55,7 +54,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
-        self.disagg = Disaggregation()
+        self.disagg = Disaggregation(self.kv, self.scheduler, self.runner.kv_caches)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.async_scheduling = self.config.async_scheduling
@@ -117,6 +116,8 @@ class LLMEngine:
         Prefill role: `handoff` sends the prompt's KV out layer by layer, and
         `hold_seconds` keeps the blocks after the request finishes (see disaggregation)."""
         params = params if params is not None else SamplingParams()
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -141,6 +142,7 @@ class LLMEngine:
         )
         seqs[0].handoff = handoff
         for seq in seqs:
+            seq.hold_blocks = hold_seconds is not None
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id, index, prompt_ids, params, priority, namespace, arrival):
@@ -164,9 +166,9 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.disagg.release(self, request_id)
-        if request_id in self.disagg.remote:
-            self.disagg.cancel(self, request_id)
+        self.disagg.release(request_id)
+        if self.disagg.cancel(request_id) is not None:
+            self.requests.pop(request_id, None)
             return None
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -239,7 +241,7 @@ class LLMEngine:
             RequestMetrics(arrival_time=seq.arrival_time),
             delta=delta,
         )
-        reservation = self.disagg.reserve(self, state)
+        reservation = self.disagg.reserve(state)
         if reservation is not None:
             self.requests[request_id] = state
         return reservation
@@ -248,13 +250,57 @@ class LLMEngine:
         self, request_id: str, token_id: int, logprob: float = 0.0, top=None
     ) -> RequestOutput:
         """The reserved blocks are filled: continue with the prefill side's first token."""
-        return self.disagg.commit(self, request_id, token_id, logprob, top)
+        state = self.disagg.commit(request_id, token_id, logprob, top, self.max_model_len)
+        return self._emit(state)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: the decode side has the blocks of `request_id`; free them."""
+        return self.disagg.release(request_id)
+
+    def expire_held(self) -> list[str]:
+        """Prefill role: frees the blocks whose lease ran out; returns their requests."""
+        return self.disagg.expire()
 
     def _emit(self, state: RequestState) -> RequestOutput:
         out = make_output(state)
         if out.finished:
             self.requests.pop(state.request_id, None)
         return out
+
+    # -- what services need of the engine --------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.model_config.num_hidden_layers
+
+    @property
+    def kv_caches(self) -> list:
+        """One tensor per layer (see kv_cache_spec); what KV transports read and write."""
+        return self.runner.kv_caches
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def closed(self) -> bool:
+        return self.runner.model is None
+
+    def close(self) -> None:
+        """Ends every request and frees the model, the KV cache and the CUDA graphs."""
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        for request_id in list(self.disagg.held):
+            self.disagg.release(request_id)
+        self._inflight = None
+        self.runner.close()
 
     # -- reporting -----------------------------------------------------------
     def get_stats(self) -> dict:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model_config import ModelConfig
+from basis.model_config import ModelConfig
 from engine.models import CausalLM
-from engine.models.hf_names import hf_weight_targets
+from engine.models.hf_names import hf_weight_targets, ignored_tensor
 from engine.models.rotary import cos_sin_table
 
 # Present in some checkpoints, never needed: rotary tables are recomputed.
@@ -68,6 +68,9 @@ def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype
         t.normal_(0.0, 0.1, generator=generator)
     elif hf_name.endswith("embed_tokens.weight"):
         t.normal_(0.0, 0.25, generator=generator)
+    elif hf_name.endswith("e_score_correction_bias"):
+        # Spread like the sigmoid scores it shifts, so some shifted scores go negative.
+        t.normal_(0.0, 0.3, generator=generator)
     else:
         fan_in = shape[-1]
         std = (2.0 if hf_name == "lm_head.weight" else 1.0) / math.sqrt(fan_in)
@@ -81,6 +84,11 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty gives each name its own storage
         model.lm_head = model.embed_tokens
+    for module in model.modules():  # e.g. DeepSeek's routers stay float32
+        for name in getattr(module, "float32_params", ()):
+            param = getattr(module, name)
+            if param is not None:
+                param.data = param.data.float()
     # Rotary tables stay float32 whatever the weights' dtype.
     model.cos_sin = cos_sin_table(config, device)
     model.eval()
@@ -108,14 +116,16 @@ def load_model(
         generator.manual_seed(seed)
         for hf_name, target in targets.items():
             view = target.view(params[target.param])
-            view.copy_(random_tensor(hf_name, view.shape, generator, device, dtype))
+            view.copy_(random_tensor(hf_name, view.shape, generator, device, view.dtype))
         return model
     seen: set[str] = set()
     for name, tensor in iter_safetensors(files):
         target = targets.get(name)
         if target is None:
-            if name.endswith(_IGNORED_SUFFIXES) or (
-                name == "lm_head.weight" and config.tie_word_embeddings
+            if (
+                name.endswith(_IGNORED_SUFFIXES)
+                or (name == "lm_head.weight" and config.tie_word_embeddings)
+                or ignored_tensor(config, name)
             ):
                 continue
             raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
@@ -124,7 +134,7 @@ def load_model(
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
             )
-        view.copy_(tensor.to(device=device, dtype=dtype))
+        view.copy_(tensor.to(device=device, dtype=view.dtype))
         seen.add(name)
     missing = [n for n in targets if n not in seen]
     if missing:

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from basis.model_config import ModelConfig
+from engine.deepseek_presets import DEEPSEEK_PRESETS
 from engine.loader import random_tensor
-from engine.model_config import ModelConfig
 from engine.models.hf_names import hf_weight_targets
 from engine.tokenizer_builder import write_tokenizer
 
@@ -82,6 +83,7 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     },
+    **DEEPSEEK_PRESETS,
     "llama3-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -123,7 +125,7 @@ PRESETS: dict[str, dict] = {
     },
 }
 
-TINY_PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-moe")
+TINY_PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3")
 _TOKENIZER_STYLE = {"llama": "llama3", "mistral": "llama3"}  # by model_type; default qwen
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARD_BYTES = 2 * 1024**3

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from basis.model_config import ModelConfig
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
-from engine.model_config import ModelConfig
 from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
 from kernels import ops
@@ -79,10 +79,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
         self.graphs = None
-        max_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
+        max_len = model_config.context_length(config.max_model_len)
         if config.warmup and self.device.type == "cuda" and self.kernel_mode == "triton":
             from engine.warmup import warm_up
 
@@ -97,6 +94,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
+
+    def close(self) -> None:
+        """Frees the device memory: graphs, weights and the KV cache (the list is
+        emptied in place, so every holder of it lets go)."""
+        self.graphs = None
+        self.model = None
+        self.kv_caches.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- KV cache ------------------------------------------------------------
     def _blocks_that_fit(self) -> int:

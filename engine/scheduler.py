@@ -6,6 +6,11 @@ policy order. When blocks run out, the lowest-priority running sequence is
 preempted: its blocks are freed and it recomputes later (prompt plus the
 tokens it already produced), so nothing is dropped and the step can always
 make progress with one sequence, which the engine guarantees fits the pool.
+
+The scheduler owns its queues: `waiting` and `running` are read-only views,
+and only its methods move a sequence between them — `add`, `schedule`,
+`update` (a step's sampled tokens: appends, forks, finishes, holds), `fail`,
+`remove`, and `resume_prefilled` (a prompt whose KV was filled from outside).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.output_processor import process_token
+from engine.sampler import SampleResult
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -36,26 +43,43 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
         self.num_preemptions = 0
 
-    # -- queue management --------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+    # -- queues ----------------------------------------------------------------
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        return tuple(self._waiting)
 
-    def remove(self, seq: Sequence) -> None:
-        """Takes a sequence out of the queues and frees its blocks (finish or abort)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.kv.free(seq)
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self._waiting) + len(self._running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a sequence out of the queues and frees its blocks (finish or abort)."""
+        self._discard(seq)
+        self.kv.free(seq)
+
+    def resume_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV was filled from outside (and its first token
+        appended) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self._running.append(seq)
+
+    def _discard(self, seq: Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
 
     def _order_key(self, seq: Sequence):
         if self.config.scheduling_policy == "priority":
@@ -66,10 +90,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=self._order_key)
+        self._running.sort(key=self._order_key)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
@@ -88,9 +112,9 @@ class Scheduler:
             # `seq` itself was preempted; the list shifted under i
         if batch.preempted:
             return batch  # no admissions while memory is short
-        self.waiting.sort(key=self._order_key)
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        self._waiting.sort(key=self._order_key)
+        for seq in list(self._waiting):
+            if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             if seq.fork_parent is not None:
                 continue  # forks when its parent's prompt is computed
@@ -101,9 +125,9 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(seq, num_new, cached):
                 break
-            self.waiting.remove(seq)
+            self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -120,17 +144,80 @@ class Scheduler:
 
     def _pick_victim(self, batch: ScheduledBatch, current: Sequence) -> Sequence:
         """The lowest-priority running sequence not yet in this step's batch, else `current`."""
-        candidates = [s for s in self.running if s is not current and s not in batch.seqs]
+        candidates = [s for s in self._running if s is not current and s not in batch.seqs]
         if not candidates:
             return current
         return max(candidates, key=self._order_key)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(seq)
+        self._running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._waiting.append(seq)
         batch.preempted.append(seq)
+
+    # -- after a step ------------------------------------------------------------
+    def update(
+        self,
+        seqs: list[Sequence],
+        computed: list[int],
+        sampled: list[Sequence],
+        tokens: SampleResult | None,
+        pending: bool = False,
+    ) -> list[Sequence]:
+        """Applies a finished step: publishes the blocks it wrote (KV commit), then
+        appends each sampled token, forking a request's siblings once its first
+        sequence has its prompt, and finishing sequences that stop. Returns the
+        finished sequences whose blocks are held for a handoff (out of the queues,
+        blocks kept); every other finished one has left with its blocks freed.
+
+        `computed` is each sequence's computed-token count as of this step (a later
+        step may already be running); `pending` says the step's tokens were each
+        sequence's pending token (async scheduling)."""
+        for seq, num_computed in zip(seqs, computed):
+            if not seq.is_finished:
+                self.kv.commit(seq, num_computed)
+        if tokens is None:
+            return []
+        held = []
+        for i, seq in enumerate(sampled):
+            if pending:
+                seq.resolve_pending()
+            if seq.is_finished:  # finished or aborted while this step ran: its token is moot
+                continue
+            if seq.index == 0:
+                self._fork_children(seq)
+            process_token(
+                seq,
+                tokens.token_ids[i],
+                tokens.token_logprobs[i],
+                tokens.logprobs[i],
+                self.max_model_len,
+            )
+            if not seq.is_finished:
+                continue
+            if seq.hold_blocks and seq.finish_reason != FinishReason.ERROR:
+                self._discard(seq)
+                held.append(seq)
+            else:
+                self.remove(seq)
+        return held
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """Ends a sequence with an error; siblings waiting to fork from it compute alone."""
+        self.remove(seq)
+        seq.finish(FinishReason.ERROR, error=error)
+        for sibling in self._waiting:
+            if sibling.fork_parent is seq:
+                sibling.fork_parent = None
+
+    def _fork_children(self, parent: Sequence) -> None:
+        for child in [s for s in self._waiting if s.fork_parent is parent]:
+            self._waiting.remove(child)
+            self.kv.fork(parent, child)
+            child.fork_parent = None
+            child.status = SequenceStatus.RUNNING
+            self._running.append(child)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.text_stream import TextStream
+from basis.sampling_params import SamplingParams
+from basis.text_stream import TextStream
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +62,7 @@ class Sequence:
     first_token_time: float | None = None
     text_stream: TextStream | None = None  # set by the engine
     handoff: object | None = None  # prefill role: where this sequence's KV goes
+    hold_blocks: bool = False  # prefill role: keep its blocks when it finishes (a lease)
     # What delta outputs have handed out so far.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -17,9 +17,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.output_processor import RequestState, process_token
+from engine.output_processor import RequestState
 from engine.sampler import PendingSample
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def launch(engine) -> Step | None:
     handoffs = engine.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
     try:
         if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
-            engine.runner.model.layer_hook = engine.disagg.layer_hook(engine, handoffs)
+            engine.runner.model.layer_hook = engine.disagg.layer_hook(handoffs)
         step.sample = engine.runner.launch(
             batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
         )
@@ -68,7 +68,7 @@ def launch(engine) -> Step | None:
         engine.async_scheduling
         and step.sample is not None
         and not handoffs
-        and all(_may_run_ahead(engine, seq) for seq in step.sample.seqs)
+        and all(_may_run_ahead(seq) for seq in step.sample.seqs)
     )
     if step.overlap:
         for row, seq in enumerate(step.sample.seqs):
@@ -77,16 +77,16 @@ def launch(engine) -> Step | None:
     return step
 
 
-def _may_run_ahead(engine, seq: Sequence) -> bool:
+def _may_run_ahead(seq: Sequence) -> bool:
     """Whether the next step may be queued before this sequence's token is read
     back: not when its sampling needs earlier tokens on the host (penalties),
     its request forks (n > 1) or its blocks are held for a handoff."""
-    state = engine.requests[seq.request_id]
-    return not seq.params.needs_penalties and seq.params.n == 1 and state.hold_seconds is None
+    return not seq.params.needs_penalties and seq.params.n == 1 and not seq.hold_blocks
 
 
 def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
-    """Reads a step's tokens back and applies them: append, stop checks, outputs."""
+    """Reads a step's tokens back and hands them to the scheduler; requests whose
+    blocks are held for a handoff get their lease."""
     for seq in step.seqs:
         state = engine.requests.get(seq.request_id)
         if state is not None and any(s is seq for s in state.seqs):  # not a reused id
@@ -101,50 +101,10 @@ def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
     if error is not None:
         for seq in step.seqs:
             if not seq.is_finished:
-                _fail(engine, seq, error)
+                engine.scheduler.fail(seq, error)
         return
-    for seq, computed in zip(step.seqs, step.computed):
-        if not seq.is_finished:  # only what this step wrote: a later one may still be running
-            engine.kv.commit(seq, computed)
-    if result is None:
-        return
-    for i, seq in enumerate(step.sample.seqs):
-        if step.overlap:
-            seq.resolve_pending()
-        if seq.is_finished:  # finished or aborted while this step ran: its token is moot
-            continue
-        if seq.index == 0:
-            _fork_children(engine, touched[seq.request_id])
-        process_token(
-            seq,
-            result.token_ids[i],
-            result.token_logprobs[i],
-            result.logprobs[i],
-            engine.max_model_len,
-        )
-        if seq.is_finished:
-            state = touched[seq.request_id]
-            if state.hold_seconds is not None and seq.finish_reason != FinishReason.ERROR:
-                engine.disagg.hold(engine, state, state.hold_seconds)
-            else:
-                engine.scheduler.remove(seq)
-
-
-def _fork_children(engine, state: RequestState) -> None:
-    parent = state.seqs[0]
-    for child in state.seqs[1:]:
-        if child.fork_parent is parent and child.status == SequenceStatus.WAITING:
-            engine.scheduler.waiting.remove(child)
-            engine.kv.fork(parent, child)
-            child.fork_parent = None
-            child.status = SequenceStatus.RUNNING
-            engine.scheduler.running.append(child)
-
-
-def _fail(engine, seq: Sequence, error: str) -> None:
-    engine.scheduler.remove(seq)
-    seq.finish(FinishReason.ERROR, error=error)
-    state = engine.requests[seq.request_id]
-    for sibling in state.seqs:  # siblings waiting to fork from it compute alone
-        if sibling.fork_parent is seq:
-            sibling.fork_parent = None
+    sampled = step.sample.seqs if step.sample is not None else []
+    held = engine.scheduler.update(step.seqs, step.computed, sampled, result, step.overlap)
+    for seq in held:
+        state = touched[seq.request_id]
+        engine.disagg.hold(state, state.hold_seconds)

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from kernels import reference
+from kernels import mla_reference, reference
 
 MODES = ("auto", "triton", "torch")
 # name -> kernel implementation; filled by kernels.cuda_ops.register().
@@ -38,7 +38,7 @@ def using(mode: str):
 def _pick(name: str, x: torch.Tensor):
     if _mode != "torch" and (x.is_cuda or _mode == "triton") and name in _CUDA_IMPLS:
         return _CUDA_IMPLS[name]
-    return getattr(reference, name)
+    return getattr(reference, name, None) or getattr(mla_reference, name)
 
 
 def rms_norm(x, weight, eps):
@@ -67,3 +67,18 @@ def moe_route(router_logits, top_k, renormalize):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return _pick("fused_moe", x)(x, w13, w2, topk_weights, topk_ids)
+
+
+def grouped_topk(router_logits, top_k, num_groups, topk_group, renormalize, scaling,
+                 scoring="softmax", correction_bias=None):  # fmt: skip
+    return _pick("grouped_topk", router_logits)(
+        router_logits, top_k, num_groups, topk_group, renormalize, scaling, scoring,
+        correction_bias,
+    )  # fmt: skip
+
+
+def mla_rotary_cache_write(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping,
+                           interleaved):  # fmt: skip
+    return _pick("mla_rotary_cache_write", q_pe)(
+        q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved
+    )

@@ -121,3 +121,61 @@ def fused_moe(
         start += count
     weighted = out.view(tokens, top_k, -1) * topk_weights.to(x.dtype).unsqueeze(-1)
     return weighted.sum(dim=1)
+
+
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]
+) -> None:
+    """dst[dst_ids] = src[src_ids]: whole KV blocks of one layer (dim 0 is the block)."""
+    if src_ids:
+        dst[list(dst_ids)] = src[list(src_ids)].to(dst.device)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing, in float32. Returns (weights [T, k], expert ids int64 [T, k]).
+
+    softmax (V2): scores = softmax(logits); groups ranked by their best score.
+    sigmoid (V3 noaux_tc): scores = sigmoid(logits); the choice uses scores +
+    correction_bias, groups ranked by the sum of their two best biased scores; the
+    weights are the unbiased scores. Then: the topk_group best groups are kept, the
+    top_k experts among them chosen, weights optionally renormalised (sum + 1e-20)
+    and multiplied by `scaling`.
+
+    Experts of dropped groups are masked with -inf, as transformers >= 5 (its
+    DeepseekV3TopkRouter), vLLM and SGLang do. Masking with 0.0 (older transformers)
+    differs exactly when a kept group's biased scores go negative: a 0.0 then outranks
+    them and an expert of a dropped group is chosen.
+    """
+    logits = router_logits.float()
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores + correction_bias.float()
+    elif scoring == "softmax":
+        scores = choice = torch.softmax(logits, dim=-1)
+    else:
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    tokens, experts = choice.shape
+    if num_groups > 1:
+        grouped = choice.view(tokens, num_groups, experts // num_groups)
+        if scoring == "sigmoid":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        kept = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        expert_mask = group_mask.repeat_interleave(experts // num_groups, dim=1)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids

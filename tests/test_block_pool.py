@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, hash_block_tokens, hash_prompt_blocks
+from basis.block_hash import hash_block_tokens, hash_prompt_blocks
+from basis.sampling_params import SamplingParams
+from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.decode import config as worker_config
+from services.decode import config as decode_config
 from services.gateway import config as gateway_config
+from services.prefill import config as prefill_config
 from services.scheduler import config as scheduler_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,8 @@ K8S = DEPLOY / "k8s"
 PARSERS = {
     "services.gateway": gateway_config.parse,
     "services.scheduler": scheduler_config.parse,
-    "services.decode": worker_config.parse,
+    "services.decode": decode_config.parse,
+    "services.prefill": prefill_config.parse,
 }
 YINIAN_SERVICES = {"scheduler", "worker-1", "worker-2", "gateway"}
 WORKERS = ("worker-1", "worker-2")
@@ -307,13 +309,13 @@ def test_k8s_manifests(monkeypatch):
                 )
             config = parse_command(monkeypatch, container["args"], env)
             assert config.host == "0.0.0.0"
-            if container["args"][0] == "services.decode":
+            if container["args"][0] in ("services.decode", "services.prefill"):
                 assert config.advertise_host == placeholders["status.podIP"]
                 assert config.scheduler.split(":")[0] in services
                 roles[config.role] = deployment["spec"]["replicas"]
             if container["args"][0] == "services.gateway":
                 assert not config.allow_unauthenticated
-    assert set(roles) == set(worker_config.ROLES), "one worker Deployment per role"
+    assert set(roles) == {*decode_config.ROLES, "prefill"}, "one worker Deployment per role"
     for service in services.values():
         selector = service["spec"]["selector"].items()
         assert any(

@@ -60,7 +60,7 @@ def test_split_engines_equal_one_engine(model_dir):
         res, out = handoff(prefill, decode, f"r{i}", prompt)
         assert out.outputs[0].token_ids == exp.outputs[0].token_ids, len(prompt)
         assert f"r{i}" in prefill.disagg.held  # blocks stay until the decode side says
-        assert prefill.disagg.release(prefill, f"r{i}")
+        assert prefill.release_held(f"r{i}")
     assert prefill.get_stats()["kv_blocks_used"] == 0
     assert decode.get_stats()["kv_blocks_used"] == 0
 
@@ -95,7 +95,7 @@ def test_leases_expire_and_reservations_cancel(model_dir):
     run_until_done(prefill, "x")
     assert prefill.get_stats()["kv_blocks_used"] > 0
     time.sleep(0.1)
-    assert prefill.disagg.expire(prefill) == ["x"]
+    assert prefill.expire_held() == ["x"]
     assert prefill.get_stats()["kv_blocks_used"] == 0
     assert decode.abort_request("x") is None  # a reservation is dropped, its blocks freed
     assert decode.get_stats()["kv_blocks_used"] == 0 and not decode.requests

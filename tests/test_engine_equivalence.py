@@ -38,7 +38,9 @@ def prompts_for(llm: LLM) -> list[list[int]]:
     return base + shared + extra
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-moe"])
+@pytest.fixture(
+    scope="module", params=["tiny-llama", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+)
 def reference(request, model_dir):
     folder = model_dir(request.param)
     llm = LLM(folder, dtype="float32", device="cpu")

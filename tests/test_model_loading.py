@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from basis.model_config import ModelConfig
+from basis.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
 from engine import make_model as mm
-from engine.model_config import ModelConfig
 from engine.models.hf_names import hf_weight_targets
-from engine.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

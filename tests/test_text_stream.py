@@ -3,9 +3,9 @@ never leak into what was streamed."""
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.text_stream import TextStream
-from engine.tokenizer import Tokenizer
+from basis.sampling_params import SamplingParams
+from basis.text_stream import TextStream
+from basis.tokenizer import Tokenizer
 
 
 def pieces(tok: Tokenizer, ids, params: SamplingParams):

@@ -129,6 +129,8 @@ class Mesh:
                     raise TimeoutError(f"{child.name} not ready in time; see {child.log_path}")
 
     def worker_args(self, worker_id: str, role: str) -> list[str]:
+        """Flags of a worker: the prefill service has one role; the decode service
+        takes `--role colocated|decode`."""
         return [
             "--model",
             self.spec.model,
@@ -138,8 +140,7 @@ class Mesh:
             self.nats_url,
             "--worker-id",
             worker_id,
-            "--role",
-            role,
+            *([] if role == "prefill" else ["--role", role]),
             "--host",
             self.spec.host,
             *self.spec.engine_argv,

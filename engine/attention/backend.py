@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from kernels import attention_reference
+from kernels import attention_reference, mla_reference
 
 
 class AttentionBackend(Protocol):
@@ -28,6 +28,28 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
+    # Multi-head latent attention (kernels/mla_reference.py defines both forms).
+    def mla_decode(
+        self,
+        q_latent: torch.Tensor,  # [B, H, C]: W_UK^T q_nope
+        q_pe: torch.Tensor,  # [B, H, R], rotated
+        cache: torch.Tensor,  # [num_blocks, 1, block_size, 1, C + R]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [B, H, C], the latent output
+
+    def mla_extend(
+        self,
+        q: torch.Tensor,  # [T, H, Dqk]
+        k: torch.Tensor,  # [T, H, Dqk], the new tokens' expanded keys
+        v: torch.Tensor,  # [T, H, Dv]
+        k_prefix: torch.Tensor,  # [P, H, Dqk], every sequence's cached prefix, expanded
+        v_prefix: torch.Tensor,  # [P, H, Dv]
+        prefix_lens: list[int],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, H, Dv]
+
 
 class TorchAttentionBackend:
     name = "torch"
@@ -36,6 +58,16 @@ class TorchAttentionBackend:
     def attend(self, q, k, v, cache, meta, scale):
         return attention_reference.paged_attention(
             q, cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, scale
+        )
+
+    def mla_decode(self, q_latent, q_pe, cache, meta, scale):
+        return mla_reference.mla_decode(
+            q_latent, q_pe, cache, meta.block_tables, meta.seq_lens, scale
+        )
+
+    def mla_extend(self, q, k, v, k_prefix, v_prefix, prefix_lens, meta, scale):
+        return mla_reference.mla_extend(
+            q, k, v, k_prefix, v_prefix, meta.query_lens_cpu, prefix_lens, scale
         )
 
 

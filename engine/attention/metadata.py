@@ -18,6 +18,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Cache slots of every sequence's cached prefix, in order; computed on first use by
+    # a layer that reads the prefix itself (MLA's expanded form), shared by the others.
+    prefix_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

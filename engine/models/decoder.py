@@ -1,6 +1,7 @@
-"""One decoder-only transformer covering Llama, Qwen2, Qwen3, Mixtral and
-Qwen3-MoE: the differences are switches read from the ModelConfig (q/k/v bias,
-per-head q/k norm, routed experts in some layers).
+"""One decoder-only transformer covering Llama, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE and DeepSeek-V2/V3: the differences are switches read from the
+ModelConfig (q/k/v bias, per-head q/k norm, routed experts in some layers,
+latent attention and shared experts in `mla.py` / `deepseek_moe.py`).
 
 Tokens of the whole step are laid out flat ([T, hidden]); the attention
 backend and its metadata know which rows belong to which sequence.
@@ -12,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from basis.model_config import ModelConfig
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model_config import ModelConfig
 from engine.models.rotary import cos_sin_table
 from kernels import ops
 
@@ -87,8 +88,12 @@ class SparseMoE(nn.Module):
         # expert-balancing services read it.
         self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
 
+    def route(self, x):
+        """(weights [T, k], expert ids [T, k]) of each token."""
+        return ops.moe_route(F.linear(x, self.gate), self.top_k, self.renormalize)
+
     def forward(self, x):
-        weights, ids = ops.moe_route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         # index_add_ (not bincount) keeps this free of host syncs, so it can be graph-captured.
         flat = ids.reshape(-1)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))
@@ -99,8 +104,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_mla:  # DeepSeek; its modules build on this file's, hence imported here
+            from engine.models.deepseek_moe import DeepseekMoE
+            from engine.models.mla import MLAttention
+
+            self.self_attn = MLAttention(config, RMSNorm)
+            if config.is_moe_layer(index):
+                self.mlp = DeepseekMoE(config)
+            else:
+                self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            return
+        self.self_attn = Attention(config)
         if config.is_moe_layer(index):
             self.mlp = SparseMoE(config)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.model_config import ModelConfig
+from basis.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,10 @@ def hf_weight_targets(config: ModelConfig) -> dict[str, Target]:
         out[f"{hf}.post_attention_layernorm.weight"] = Target(
             f"{ours}.post_attention_layernorm.weight", ()
         )
+        if config.is_mla:
+            out.update(_mla_targets(config, hf, ours))
+            out.update(_mlp_targets(config, i, hf, ours))
+            continue
         qkv = f"{ours}.self_attn.qkv_proj"
         for name, rows in (("q", (0, q)), ("k", (q, q + kv)), ("v", (q + kv, q + 2 * kv))):
             out[f"{hf}.self_attn.{name}_proj.weight"] = Target(qkv, _rows(*rows))
@@ -51,16 +55,51 @@ def hf_weight_targets(config: ModelConfig) -> dict[str, Target]:
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
                 out[f"{hf}.self_attn.{name}.weight"] = Target(f"{ours}.self_attn.{name}.weight", ())
-        if config.is_moe_layer(i):
-            out.update(_expert_targets(config, hf, ours))
-        else:
-            width = config.intermediate_size
-            out[f"{hf}.mlp.gate_proj.weight"] = Target(f"{ours}.mlp.gate_up_proj", _rows(0, width))
-            out[f"{hf}.mlp.up_proj.weight"] = Target(
-                f"{ours}.mlp.gate_up_proj", _rows(width, 2 * width)
-            )
-            out[f"{hf}.mlp.down_proj.weight"] = Target(f"{ours}.mlp.down_proj", ())
+        out.update(_mlp_targets(config, i, hf, ours))
     return out
+
+
+def _mlp_targets(config: ModelConfig, i: int, hf: str, ours: str) -> dict[str, Target]:
+    if config.is_moe_layer(i):
+        return _expert_targets(config, hf, ours)
+    return _gate_up_down(f"{hf}.mlp", f"{ours}.mlp", config.intermediate_size)
+
+
+def _gate_up_down(hf: str, ours: str, width: int) -> dict[str, Target]:
+    return {
+        f"{hf}.gate_proj.weight": Target(f"{ours}.gate_up_proj", _rows(0, width)),
+        f"{hf}.up_proj.weight": Target(f"{ours}.gate_up_proj", _rows(width, 2 * width)),
+        f"{hf}.down_proj.weight": Target(f"{ours}.down_proj", ()),
+    }
+
+
+def _mla_targets(config: ModelConfig, hf: str, ours: str) -> dict[str, Target]:
+    """q_proj (or q_a_proj) and kv_a_proj_with_mqa are rows of one fused_qkv_a_proj."""
+    attn, mine = f"{hf}.self_attn", f"{ours}.self_attn"
+    q_in = config.q_lora_rank or config.q_size
+    fused = f"{mine}.fused_qkv_a_proj"
+    out = {
+        f"{attn}.kv_a_proj_with_mqa.weight": Target(fused, _rows(q_in, q_in + config.latent_dim)),
+        f"{attn}.kv_a_layernorm.weight": Target(f"{mine}.kv_a_layernorm.weight", ()),
+        f"{attn}.kv_b_proj.weight": Target(f"{mine}.kv_b_proj", ()),
+        f"{attn}.o_proj.weight": Target(f"{mine}.o_proj", ()),
+    }
+    if config.q_lora_rank is None:
+        out[f"{attn}.q_proj.weight"] = Target(fused, _rows(0, q_in))
+    else:
+        out[f"{attn}.q_a_proj.weight"] = Target(fused, _rows(0, q_in))
+        out[f"{attn}.q_a_layernorm.weight"] = Target(f"{mine}.q_a_layernorm.weight", ())
+        out[f"{attn}.q_b_proj.weight"] = Target(f"{mine}.q_b_proj", ())
+    return out
+
+
+def ignored_tensor(config: ModelConfig, name: str) -> bool:
+    """Checkpoint tensors the engine does not use: DeepSeek-V3's multi-token-prediction
+    layers, stored as layers num_hidden_layers and up (transformers skips them too)."""
+    if not config.is_mla or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and int(index) >= config.num_hidden_layers
 
 
 def _expert_targets(config: ModelConfig, hf: str, ours: str) -> dict[str, Target]:
@@ -71,6 +110,12 @@ def _expert_targets(config: ModelConfig, hf: str, ours: str) -> dict[str, Target
     else:
         block, names = f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj")
     out = {f"{block}.gate.weight": Target(f"{ours}.mlp.gate", ())}
+    if config.scoring_func == "sigmoid":
+        bias = Target(f"{ours}.mlp.e_score_correction_bias", ())
+        out[f"{block}.gate.e_score_correction_bias"] = bias
+    if config.n_shared_experts:
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        out.update(_gate_up_down(f"{block}.shared_experts", f"{ours}.mlp.shared_experts", shared))
     for e in range(config.num_experts):
         prefix = f"{block}.experts.{e}"
         out[f"{prefix}.{names[0]}.weight"] = Target(f"{ours}.mlp.w13", (e, gate))

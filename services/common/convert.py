@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from basis.sampling_params import SamplingParams
 from proto.yinian.v1 import common_pb2
 
 _FINISH = {

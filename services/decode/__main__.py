@@ -1,16 +1,16 @@
-"""`python -m services.decode`: one worker process (`--role colocated|prefill|decode`)."""
+"""`python -m services.decode`: a decode worker (`--role colocated|decode`)."""
 
 from __future__ import annotations
 
 import sys
 
 from services.common.entry import run_service
+from services.decode.app import run
 from services.decode.config import parse
-from services.decode.service import run_worker
 
 
-def main(argv: list[str] | None = None, role: str = "colocated") -> int:
-    return run_service(run_worker(parse(argv, role=role)))
+def main(argv: list[str] | None = None) -> int:
+    return run_service(run(parse(argv)))
 
 
 if __name__ == "__main__":

@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import grpc
 
-from proto.yinian.v1 import worker_pb2
+from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import WorkerChannels
 from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
+from services.common.handoff import PrefillResult, result_from_chunk
 from services.common.telemetry import grpc_metadata
-from services.prefill.prefill_core import PrefillResult
 
 
 class PrefillClient:
     def __init__(self):
         self._channels = WorkerChannels()
-        self._stub = self._channels.stub
         self._info: dict[str, dict] = {}
+
+    def _prefill(self, address: str) -> worker_pb2_grpc.PrefillStub:
+        return self._channels.stub(address, worker_pb2_grpc.PrefillStub)
 
     async def info(self, address: str) -> dict:
         """The prefill worker's host, device and transports (cached per address)."""
         if address not in self._info:
+            stub = self._channels.stub(address, worker_pb2_grpc.WorkerStub)
             try:
-                info = await self._stub(address).GetInfo(worker_pb2.GetInfoRequest(), timeout=5.0)
+                info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5.0)
             except grpc.RpcError as exc:
                 raise from_grpc_error(exc) from exc
             self._info[address] = {
@@ -69,7 +72,7 @@ class PrefillClient:
         )
         done = None
         try:
-            async for chunk in self._stub(address).Prefill(
+            async for chunk in self._prefill(address).Prefill(
                 request, timeout=timeout, metadata=grpc_metadata()
             ):
                 if chunk.error:
@@ -81,22 +84,11 @@ class PrefillClient:
             raise from_grpc_error(exc) from exc
         if done is None:
             raise RuntimeError(f"prefill worker {address} ended without finishing")
-        top = [(t.token_id, t.logprob, t.rank) for t in done.first_logprobs.top]
-        return PrefillResult(
-            done.first_token_id,
-            done.first_logprobs.chosen.logprob,
-            top,
-            done.cached_tokens,
-            done.prefill_seconds,
-            done.transfer_seconds,
-            done.bytes,
-            done.num_blocks,
-            done.lease_id,
-        )
+        return result_from_chunk(done)
 
     async def release(self, address: str, lease_id: str) -> None:
         try:
-            await self._stub(address).ReleaseKv(
+            await self._prefill(address).ReleaseKv(
                 worker_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5.0
             )
         except grpc.RpcError:

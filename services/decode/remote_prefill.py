@@ -17,8 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine import AsyncLLM, SamplingParams
-from engine.sequence import Logprob
+from engine import AsyncLLM, Logprob, SamplingParams
+from services.common.kv_transport.base import KvReceiver
 from services.common.kv_transport.registry import choose_transport, make_receiver
 
 logger = logging.getLogger(__name__)
@@ -43,16 +43,14 @@ class ReceiverSet:
 
     def __init__(self, kv_caches, host: str):
         self.kv_caches, self.host = kv_caches, host
-        self._receivers: dict[str, object] = {}
+        self._receivers: dict[str, KvReceiver] = {}
         self._lock = asyncio.Lock()
 
-    async def get(self, name: str):
+    async def get(self, name: str) -> KvReceiver:
         async with self._lock:
             if name not in self._receivers:
                 receiver = make_receiver(name, self.kv_caches, self.host)
-                start = getattr(receiver, "start", None)
-                if start is not None:
-                    await start()
+                await receiver.start()
                 self._receivers[name] = receiver
             return self._receivers[name]
 
@@ -77,8 +75,8 @@ class RemotePrefill:
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.timeout = timeout
-        self.receivers = ReceiverSet(engine.engine.runner.kv_caches, endpoint["host"])
-        self.num_layers = engine.engine.model_config.num_hidden_layers
+        self.receivers = ReceiverSet(engine.kv_caches, endpoint["host"])
+        self.num_layers = engine.num_layers
 
     async def run(
         self,
@@ -95,10 +93,8 @@ class RemotePrefill:
         the request's stream (open it first)."""
         timing = HandoffTiming()
         start = time.monotonic()
-        reservation = await self.engine.call(
-            lambda e: e.reserve_remote(
-                request_id, prompt_ids, params, priority=priority, namespace=tenant, delta=True
-            )
+        reservation = await self.engine.reserve_remote(
+            request_id, prompt_ids, params, priority=priority, namespace=tenant
         )
         timing.queue_seconds = time.monotonic() - start
         if reservation is None:
@@ -132,8 +128,7 @@ class RemotePrefill:
                 decode_worker_id=self.worker_id,
                 timeout=self.timeout,
             )
-            if hasattr(receiver, "mark_done"):
-                receiver.mark_done(transfer_id, None)
+            receiver.mark_done(transfer_id)
             await receiver.wait(transfer_id, self.timeout)
         except Exception as exc:
             if receiver is not None:
@@ -144,7 +139,7 @@ class RemotePrefill:
                 prefill_address,
                 exc,
             )
-            await self.engine.call(lambda e: e.abort_request(request_id))
+            await self.engine.cancel_remote(request_id)
             timing.fell_back = str(exc)
             await self._local(request_id, prompt_ids, params, tenant, priority)
             return timing
@@ -155,8 +150,8 @@ class RemotePrefill:
         if params.logprobs is not None:
             top = {t: Logprob(lp, r) for t, lp, r in result.top_logprobs}
             top.setdefault(result.first_token_id, Logprob(result.first_logprob, 0))
-        await self.engine.call(
-            lambda e: e.commit_remote(request_id, result.first_token_id, result.first_logprob, top)
+        await self.engine.commit_remote(
+            request_id, result.first_token_id, result.first_logprob, top
         )
         timing.committed_at = time.monotonic()
         asyncio.get_running_loop().create_task(
@@ -165,16 +160,8 @@ class RemotePrefill:
         return timing
 
     async def _local(self, request_id, prompt_ids, params, tenant, priority) -> None:
-        await self.engine.call(
-            lambda e: e.add_request(
-                request_id,
-                prompt_ids,
-                params,
-                priority=priority,
-                namespace=tenant,
-                prompt_token_ids=prompt_ids,
-                delta=True,
-            )
+        await self.engine.add_request(
+            request_id, prompt_ids, params, priority=priority, namespace=tenant
         )
 
     async def close(self) -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.channels import OPTIONS as _OPTIONS
 from services.common.channels import WorkerChannels
 from services.common.errors import DeadlineExceeded, from_grpc_error
@@ -63,7 +63,8 @@ class WorkerPool(WorkerChannels):
         """Streams the worker's chunks. A broken or silent worker becomes a
         WorkerUnavailable / DeadlineExceeded; leaving early cancels the call,
         which aborts the request on the worker."""
-        call = self.stub(address).Generate(request, timeout=timeout, metadata=grpc_metadata())
+        stub = self.stub(address, worker_pb2_grpc.DecodeStub)
+        call = stub.Generate(request, timeout=timeout, metadata=grpc_metadata())
         try:
             while True:
                 try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from engine.block_pool import hash_prompt_blocks
-from engine.sampling_params import SamplingParams
-from engine.text_stream import TextStream
+from basis.block_hash import hash_prompt_blocks
+from basis.sampling_params import SamplingParams
+from basis.text_stream import TextStream
 from proto.yinian.v1 import worker_pb2
 from services.common import metrics
 from services.common.convert import finish_from_proto, params_to_proto

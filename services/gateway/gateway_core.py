@@ -9,9 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.model_config import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from basis.model_config import ModelConfig
+from basis.sampling_params import SamplingParams
+from basis.tokenizer import Tokenizer
 from services.common import metrics
 from services.common.errors import InvalidRequest, NotFound
 from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
@@ -35,8 +35,7 @@ class GatewayCore:
         self.model_name = model_name
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(max_model_len or limit, limit)
+        self.max_model_len = self.model_config.context_length(max_model_len)
         self.frontend = frontend
 
     def check_model(self, name: str) -> None:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+from basis.sampling_params import SamplingParams
 from services.common.errors import InvalidRequest
 
 

@@ -1,11 +1,17 @@
-"""`python -m services.prefill`: a worker in the prefill role (the worker
-process of services.decode with `--role prefill` as its default)."""
+"""`python -m services.prefill`: a prefill worker."""
 
 from __future__ import annotations
 
 import sys
 
-from services.decode.__main__ import main
+from services.common.entry import run_service
+from services.prefill.app import run
+from services.prefill.config import parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(run(parse(argv)))
+
 
 if __name__ == "__main__":
-    sys.exit(main(role="prefill"))
+    sys.exit(main())

@@ -1,12 +1,19 @@
-"""The prefill worker's settings: a worker's settings with the prefill role."""
+"""The prefill service's settings: a worker's settings (services/common/
+worker_config.py); its role is always `prefill`."""
 
 from __future__ import annotations
 
-from services.decode.config import WorkerConfig, parse
+from dataclasses import dataclass
+
+from services.common.worker_config import WorkerSettings, parse_worker_config
 
 
-def parse_prefill(argv: list[str] | None = None) -> WorkerConfig:
-    return parse(argv, role="prefill")
+@dataclass(slots=True)
+class PrefillConfig(WorkerSettings):
+    @property
+    def role(self) -> str:
+        return "prefill"
 
 
-__all__ = ["WorkerConfig", "parse_prefill"]
+def parse(argv: list[str] | None = None) -> PrefillConfig:
+    return parse_worker_config(PrefillConfig, argv, "yinian prefill worker")

@@ -1,14 +1,18 @@
-"""The prefill worker's core, free of gRPC: one handoff from request to done."""
+"""The prefill service's core, free of gRPC: one handoff from request to done —
+compute the prompt, send its blocks layer by layer as each layer is computed,
+sample the first token, and hold the blocks under a lease."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine import AsyncLLM, SamplingParams
 from engine.disaggregation import Handoff
+from services.common.handoff import PrefillResult
 from services.common.kv_transport.base import KvSender, LayerPlan, TransferError
+from services.common.kv_transport.registry import make_sender
 
 
 class TransportHandoff(Handoff):
@@ -52,24 +56,29 @@ class TransportHandoff(Handoff):
                 self.error = f"transport {self.sender.name}: {exc!r}"
 
 
-@dataclass(slots=True)
-class PrefillResult:
-    first_token_id: int
-    first_logprob: float
-    top_logprobs: list[tuple[int, float, int]]
-    cached_tokens: int
-    prefill_seconds: float
-    transfer_seconds: float
-    transfer_bytes: int
-    num_blocks: int
-    lease_id: str
+class SenderSet:
+    """One KV sender per transport, made on first use."""
+
+    def __init__(self, device, loop: asyncio.AbstractEventLoop):
+        self.device = device
+        self.loop = loop
+        self._senders: dict[str, KvSender] = {}
+
+    def get(self, name: str) -> KvSender:
+        if name not in self._senders:
+            self._senders[name] = make_sender(name, self.device, self.loop)
+        return self._senders[name]
+
+    async def close(self) -> None:
+        for sender in self._senders.values():
+            await sender.close()
 
 
 class PrefillCore:
     def __init__(self, engine: AsyncLLM, sender_for: Callable[[str], KvSender]):
         self.engine = engine
         self.sender_for = sender_for  # transport name -> its sender
-        self.num_layers = engine.engine.model_config.num_hidden_layers
+        self.num_layers = engine.num_layers
 
     async def prefill(
         self,
@@ -96,18 +105,14 @@ class PrefillCore:
         start = time.monotonic()
         final = None
         try:
-            await self.engine.call(
-                lambda e: e.add_request(
-                    request_id,
-                    prompt_ids,
-                    first_params,
-                    priority=priority,
-                    namespace=tenant,
-                    prompt_token_ids=prompt_ids,
-                    delta=True,
-                    handoff=handoff,
-                    hold_seconds=lease_seconds,
-                )
+            await self.engine.add_request(
+                request_id,
+                prompt_ids,
+                first_params,
+                priority=priority,
+                namespace=tenant,
+                handoff=handoff,
+                hold_seconds=lease_seconds,
             )
             async for out in stream:
                 final = out
@@ -156,4 +161,4 @@ class PrefillCore:
         )
 
     async def release(self, lease_id: str) -> bool:
-        return await self.engine.call(lambda e: e.disagg.release(e, lease_id))
+        return await self.engine.release_held(lease_id)

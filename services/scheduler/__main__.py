@@ -2,84 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
 import sys
 
-from proto.yinian.v1 import common_pb2, scheduler_pb2_grpc
-from services.common import metrics
-from services.common.bus import EventBus, kv_subject, load_subject
 from services.common.entry import run_service
-from services.common.grpc_server import GrpcServer
-from services.common.telemetry import setup_tracing, shutdown_tracing
-from services.scheduler.config import SchedulerConfig, parse
-from services.scheduler.kv_index import KvIndex
-from services.scheduler.placement import PlacementPolicy
-from services.scheduler.registry import Registry
-from services.scheduler.server import SchedulerServicer
-
-logger = logging.getLogger("services.scheduler")
-
-
-async def run(config: SchedulerConfig) -> None:
-    setup_tracing("yinian-scheduler")
-    registry = Registry(config.heartbeat_timeout)
-    index = KvIndex()
-    servicer = SchedulerServicer(
-        registry,
-        index,
-        PlacementPolicy(max_waiting=config.max_waiting, disagg_min_tokens=config.disagg_min_tokens),
-        heartbeat_interval=config.heartbeat_timeout / 4,
-    )
-    server = GrpcServer(config.host, config.port)
-    server.add(
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, ["yinian.v1.Scheduler"]
-    )
-    await server.start()
-    metrics.serve_metrics(config.metrics_port, config.host)
-    bus = EventBus(config.nats_url, "scheduler")
-    await bus.connect()
-
-    def on_load(report: common_pb2.LoadReport, headers) -> None:
-        registry.on_load(
-            report.worker_id,
-            report.num_requests_running,
-            report.num_requests_waiting,
-            report.kv_cache_usage,
-        )
-
-    def on_kv(events: common_pb2.KvEvents, headers) -> None:
-        if events.worker_id in registry.workers:
-            index.apply(
-                events.worker_id, events.event_id, events.stored, events.removed, events.reset
-            )
-
-    await bus.subscribe(load_subject(), common_pb2.LoadReport, on_load)
-    await bus.subscribe(kv_subject(), common_pb2.KvEvents, on_kv)
-    await server.serving(True)
-    print(f"READY scheduler {config.host}:{server.port}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    while not stop.is_set():
-        for gone in registry.expire():
-            index.forget(gone.worker_id)
-            logger.warning(
-                "dropped %s: no heartbeat for %.1f s", gone.worker_id, config.heartbeat_timeout
-            )
-        for role in ("colocated", "prefill", "decode"):
-            metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=0.25)
-        except asyncio.TimeoutError:
-            pass
-    await server.serving(False)
-    await server.stop(grace=1.0)
-    await bus.close()
-    shutdown_tracing()
+from services.scheduler.app import run
+from services.scheduler.config import parse
 
 
 def main(argv: list[str] | None = None) -> int:

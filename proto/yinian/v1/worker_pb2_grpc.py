@@ -28,7 +28,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every engine worker.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -36,16 +37,6 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/yinian.v1.Worker/Generate',
-                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/yinian.v1.Worker/Abort',
-                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/yinian.v1.Worker/GetLoad',
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
@@ -56,33 +47,11 @@ class WorkerStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.WorkerInfo.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_stream(
-                '/yinian.v1.Worker/Prefill',
-                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillChunk.FromString,
-                _registered_method=True)
-        self.ReleaseKv = channel.unary_unary(
-                '/yinian.v1.Worker/ReleaseKv',
-                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Generate(self, request, context):
-        """Runs one request and streams its tokens; cancelling the call aborts it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    """Every engine worker.
+    """
 
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -97,33 +66,9 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Prefill role: compute a prompt's KV blocks and hand them to a decode worker.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseKv(self, request, context):
-        """Prefill role: the decode side took (or gave up) the blocks of a handoff.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
-            ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
@@ -134,16 +79,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.WorkerInfo.SerializeToString,
             ),
-            'Prefill': grpc.unary_stream_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillChunk.SerializeToString,
-            ),
-            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseKv,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'yinian.v1.Worker', rpc_method_handlers)
@@ -153,61 +88,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/yinian.v1.Worker/Generate',
-            proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-            proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/yinian.v1.Worker/Abort',
-            proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    """Every engine worker.
+    """
 
     @staticmethod
     def GetLoad(request,
@@ -263,6 +145,191 @@ class Worker:
             metadata,
             _registered_method=True)
 
+
+class DecodeStub:
+    """The decode service: owns a request from placement to its last token.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/yinian.v1.Decode/Generate',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/yinian.v1.Decode/Abort',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
+
+
+class DecodeServicer:
+    """The decode service: owns a request from placement to its last token.
+    """
+
+    def Generate(self, request, context):
+        """Runs one request and streams its tokens; cancelling the call aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'yinian.v1.Decode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('yinian.v1.Decode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Decode:
+    """The decode service: owns a request from placement to its last token.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/yinian.v1.Decode/Generate',
+            proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Decode/Abort',
+            proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PrefillStub:
+    """The prefill service: computes prompts' KV blocks for decode workers.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_stream(
+                '/yinian.v1.Prefill/Prefill',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillChunk.FromString,
+                _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/yinian.v1.Prefill/ReleaseKv',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
+
+
+class PrefillServicer:
+    """The prefill service: computes prompts' KV blocks for decode workers.
+    """
+
+    def Prefill(self, request, context):
+        """Compute a prompt's KV blocks and hand them to the decode worker that asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKv(self, request, context):
+        """The decode side took (or gave up) the blocks of a handoff.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillChunk.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'yinian.v1.Prefill', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('yinian.v1.Prefill', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Prefill:
+    """The prefill service: computes prompts' KV blocks for decode workers.
+    """
+
     @staticmethod
     def Prefill(request,
             target,
@@ -277,7 +344,7 @@ class Worker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/yinian.v1.Worker/Prefill',
+            '/yinian.v1.Prefill/Prefill',
             proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_worker__pb2.PrefillChunk.FromString,
             options,
@@ -304,7 +371,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/yinian.v1.Worker/ReleaseKv',
+            '/yinian.v1.Prefill/ReleaseKv',
             proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
             options,

@@ -47,6 +47,9 @@ class LayerPlan:
 class KvReceiver(abc.ABC):
     name: str
 
+    async def start(self) -> None:  # noqa: B027 - nothing to start by default
+        """Gets ready to receive (listens, for tcp and nccl); before `target()`."""
+
     @abc.abstractmethod
     def target(self) -> bytes:
         """What a sender needs to reach this receiver (address, handles, ...)."""
@@ -62,6 +65,11 @@ class KvReceiver(abc.ABC):
     @abc.abstractmethod
     def cancel(self, request_id: str) -> None:
         """Forgets a transfer (the request moved elsewhere); late data is dropped."""
+
+    def mark_done(self, request_id: str, stats: TransferStats | None = None) -> None:  # noqa: B027
+        """The sender's flush succeeded. A transport whose receiver sees no data
+        (cuda_ipc: the sender writes this cache directly) completes `wait` here;
+        the others complete it as the last layer lands, and ignore this."""
 
     async def close(self) -> None:  # noqa: B027 - optional
         pass

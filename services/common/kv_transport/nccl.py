@@ -49,6 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.common.kv_transport.blocks import BlockReceiver
 from services.common.kv_transport.nccl_group import (
     FOREVER,
     abort_group,
@@ -59,7 +60,6 @@ from services.common.kv_transport.nccl_group import (
     store_client,
 )
 from services.common.kv_transport.nccl_sender import NcclSender
-from services.common.kv_transport.tcp import BlockReceiver
 
 __all__ = ["NcclReceiver", "NcclSender"]
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
+from services.common.kv_transport.blocks import await_future, layout, settle
 from services.common.kv_transport.nccl_group import (
     FOREVER,
     MESSAGE_BYTES,
@@ -30,7 +31,6 @@ from services.common.kv_transport.nccl_group import (
     start_thread,
     store_client,
 )
-from services.common.kv_transport.tcp import await_future, layout, settle
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ Used by the engine and, in the mesh, by the gateway, which detokenizes.
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from basis.sampling_params import SamplingParams
 
 
 class TextStream:

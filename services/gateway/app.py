@@ -18,8 +18,8 @@ from services.gateway.clients import SchedulerClient, WorkerPool
 from services.gateway.config import GatewayConfig
 from services.gateway.frontend import Frontend
 from services.gateway.gateway_core import GatewayCore
-from services.gateway.grpc_api import InferenceServicer
 from services.gateway.openai_api import create_app
+from services.gateway.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class HealthProbe:
         return self._ready
 
 
-async def run_gateway(config: GatewayConfig) -> None:
+async def run(config: GatewayConfig) -> None:
     setup_tracing("yinian-gateway")
     auth = Authenticator(load_keys(config.api_keys))
     check_listen_address(config.host, auth, config.allow_unauthenticated)

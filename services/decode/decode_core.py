@@ -1,13 +1,13 @@
-"""A worker's core, free of gRPC: runs requests on the engine and turns its
-cumulative outputs into per-output token deltas, reports load, and numbers
-KV events. The decode worker owns a request from placement to its last token.
-"""
+"""The decode service's core, free of gRPC: runs a request on the engine (its
+prompt prefilled here or, in the decode role, by a prefill worker) and turns
+the engine's outputs into per-output token deltas. A migrated request resumes
+after the tokens already streamed."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine import AsyncLLM, SamplingParams
 from engine.outputs import RequestOutput
@@ -41,24 +41,11 @@ class RequestTiming:
     handoff: HandoffTiming | None = None
 
 
-@dataclass(slots=True)
-class KvEventBatch:
-    event_id: int
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    reset: bool = False
-
-
-class WorkerCore:
+class DecodeCore:
     def __init__(self, engine: AsyncLLM, worker_id: str, remote: RemotePrefill | None = None):
         self.engine = engine
         self.worker_id = worker_id
         self.remote = remote  # decode role: KV handoffs from prefill workers
-        self._event_id = 0
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.engine.config.block_size
 
     async def generate(
         self,
@@ -87,7 +74,7 @@ class WorkerCore:
                 )
         full_prompt = prompt_ids + resume
         if prefill_address and self.remote is not None and params.n == 1:
-            self.engine.engine.validate(full_prompt, params)
+            self.engine.validate(full_prompt, params)
             outputs = self.engine.open_stream(request_id)
             try:
                 handoff = await self.remote.run(
@@ -134,29 +121,6 @@ class WorkerCore:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-    def load(self) -> dict:
-        stats = self.engine.get_stats()
-        return {
-            "worker_id": self.worker_id,
-            "num_requests_running": stats["num_requests_running"],
-            "num_requests_waiting": stats["num_requests_waiting"],
-            "kv_cache_usage": stats["kv_cache_usage"],
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-            "kv_blocks_total": stats["kv_blocks_total"],
-            "kv_blocks_free": stats["kv_blocks_free"],
-            "num_preemptions": stats["num_preemptions"],
-            "timestamp": time.time(),
-        }
-
-    def kv_events(self) -> KvEventBatch | None:
-        """The next numbered batch of KV events; the first one says `reset`."""
-        events = self.engine.drain_kv_events()
-        first = self._event_id == 0
-        if not (events.stored or events.removed or first):
-            return None
-        self._event_id += 1
-        return KvEventBatch(self._event_id, events.stored, events.removed, reset=first)
 
 
 def _position(entry: dict, chosen: int, top_n: int):

@@ -1,0 +1,52 @@
+"""DeepSeek-V2/V3 mixture of experts: routed experts on the fused MoE kernels
+plus always-on shared experts, routed as transformers does.
+
+The router computes in float32 from a float32 weight (and V3's correction
+bias) whatever the model's dtype, as the checkpoints were trained and as
+transformers keeps them (`_keep_in_fp32_modules_strict`): near-tied experts
+then pick the same way in bf16 as in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from basis.model_config import ModelConfig
+from engine.models.decoder import MLP, SparseMoE
+from kernels import ops
+
+
+class DeepseekMoE(SparseMoE):
+    # Parameters build_model keeps in float32 when the model is cast to 16 bits.
+    float32_params = ("gate", "e_score_correction_bias")
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.scoring = config.scoring_func
+        self.greedy = config.topk_method == "greedy"
+        self.num_groups, self.topk_group = config.n_group, config.topk_group
+        self.scaling = config.routed_scaling_factor
+        if self.scoring == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts))
+        else:
+            self.e_score_correction_bias = None
+        width = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, width) if width else None
+
+    def route(self, x):
+        logits = F.linear(x.float(), self.gate)
+        if self.greedy:  # V2 greedy: the plain softmax top-k, never renormalised
+            weights, ids = ops.moe_route(logits, self.top_k, False)
+            return (weights * self.scaling if self.scaling != 1.0 else weights), ids
+        return ops.grouped_topk(
+            logits, self.top_k, self.num_groups, self.topk_group, self.renormalize,
+            self.scaling, self.scoring, self.e_score_correction_bias,
+        )  # fmt: skip
+
+    def forward(self, x):
+        routed = super().forward(x)
+        if self.shared_experts is None:
+            return routed
+        return routed + self.shared_experts(x)

@@ -1,0 +1,67 @@
+"""The settings every engine worker (prefill and decode services) shares: where
+it listens, how it is named and found, where it reports, the KV transports it
+speaks, and the engine options (the engine's own flags, `engine/cli_args.py`)."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+
+from basis.flags import not_a_flag, parse_config, setting
+from engine.cli_args import add_engine_args, engine_options
+
+KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    model: str = setting(help="model folder (a Hugging Face checkpoint)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "gRPC port (0: any free port)")
+    advertise_host: str | None = setting(
+        None, "address the scheduler gives out for this worker (default: --host)"
+    )
+    worker_id: str = setting("", "name in the scheduler's registry (default: role-host-random)")
+    scheduler: str = setting("127.0.0.1:50052", "the scheduler's gRPC address")
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS for load reports and KV events")
+    metrics_port: int = setting(0, "Prometheus /metrics port (0: any free port)")
+    load_interval: float = setting(0.5, "seconds between load reports (heartbeats)")
+    kv_transports: list[str] | None = setting(
+        None,
+        "KV transports this worker speaks, comma-separated: tcp, cuda_ipc, nccl "
+        "(default: tcp, plus cuda_ipc on CUDA)",
+    )
+    engine_options: dict = not_a_flag(dict)
+
+    def __post_init__(self) -> None:
+        for name in self.kv_transports or ():
+            if name not in KV_TRANSPORTS:
+                raise ValueError(f"unknown KV transport {name!r}; known: {KV_TRANSPORTS}")
+        if self.load_interval <= 0:
+            raise ValueError("load_interval must be > 0")
+        if not self.worker_id:
+            self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+    @property
+    def role(self) -> str:  # pragma: no cover - each service's config names its role
+        raise NotImplementedError
+
+    @property
+    def address_host(self) -> str:
+        """The host peers reach this worker at."""
+        return self.advertise_host or self.host
+
+    def transports(self, device_type: str) -> list[str]:
+        return self.kv_transports or (["cuda_ipc", "tcp"] if device_type == "cuda" else ["tcp"])
+
+
+def parse_worker_config(cls, argv: list[str] | None, description: str):
+    """A worker service's flags: its config's fields plus the engine options."""
+    return parse_config(
+        cls,
+        argv,
+        description,
+        extend=add_engine_args,
+        extra=lambda args: {"engine_options": engine_options(args)},
+    )

@@ -1,0 +1,161 @@
+"""An engine worker's process, shared by the prefill and decode services: the
+engine, a gRPC server (health, reflection, the `Worker` service and the
+stage's own), Prometheus metrics, registration with the scheduler, load
+reports and numbered KV events on NATS, and an orderly stop on SIGTERM/SIGINT.
+
+    host = WorkerHost(config, "yinian-decode")
+    host.serve(add_DecodeServicer_to_server, DecodeServicer(...), "yinian.v1.Decode")
+    await host.run()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+
+from engine import AsyncLLM
+from proto.yinian.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from services.common import metrics
+from services.common.bus import EventBus, kv_subject, load_subject
+from services.common.grpc_server import GrpcServer
+from services.common.telemetry import setup_tracing, shutdown_tracing
+from services.common.worker_config import WorkerSettings
+from services.common.worker_reports import WorkerReports
+from services.common.worker_servicer import WorkerServicer, load_report
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHost:
+    def __init__(self, config: WorkerSettings, service_name: str):
+        self.config = config
+        setup_tracing(service_name)
+        self.engine = AsyncLLM.from_model(config.model, **config.engine_options)
+        self.server = GrpcServer(config.host, config.port)
+        self.address = f"{config.address_host}:{self.server.port}"
+        metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
+        self.info = scheduler_pb2.WorkerInfo(
+            worker_id=config.worker_id,
+            address=self.address,
+            role=config.role,
+            model=config.model,
+            block_size=self.engine.block_size,
+            max_num_seqs=self.engine.max_num_seqs,
+            kv_blocks_total=self.engine.num_kv_blocks,
+            metrics_address=f"{config.address_host}:{metrics_port}",
+            transports=config.transports(self.engine.device.type),
+            host=config.address_host,
+            device=str(self.engine.device),
+        )
+        self.reports = WorkerReports(self.engine, config.worker_id)
+        self.serve(
+            worker_pb2_grpc.add_WorkerServicer_to_server,
+            WorkerServicer(self.info, self.reports),
+            "yinian.v1.Worker",
+        )
+        self._closers: list = []
+
+    @property
+    def endpoint(self) -> dict:
+        """This worker as a KV transport endpoint (see kv_transport/registry.py)."""
+        return {
+            "host": self.info.host,
+            "device": self.info.device,
+            "transports": list(self.info.transports),
+            "worker_id": self.info.worker_id,
+        }
+
+    def serve(self, add_fn, servicer, service_name: str) -> None:
+        self.server.add(add_fn, servicer, [service_name])
+
+    def on_close(self, close) -> None:
+        """`await close()` runs at shutdown, before the engine stops (last added first)."""
+        self._closers.append(close)
+
+    async def run(self) -> None:
+        """Serves until SIGTERM or SIGINT, then deregisters and stops."""
+        config = self.config
+        await self.server.start()
+        bus = EventBus(config.nats_url, config.worker_id)
+        await bus.connect()
+        await self._register()
+        loops = [
+            asyncio.create_task(self._report_load(bus)),
+            asyncio.create_task(self._report_kv_events(bus)),
+        ]
+        await self.server.serving(True)
+        logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)
+        print(f"READY worker {config.worker_id} {self.address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("worker %s stopping", config.worker_id)
+        await self.server.serving(False)
+        await self._deregister()
+        for task in loops:
+            task.cancel()
+        for close in reversed(self._closers):
+            await close()
+        await self.server.stop(grace=1.0)
+        await bus.close()
+        self.engine.close()
+        shutdown_tracing()
+
+    async def _register(self, timeout: float = 60.0) -> None:
+        """Registers with the scheduler, retrying until it answers."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with grpc.aio.insecure_channel(self.config.scheduler) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while True:
+                try:
+                    await stub.Register(self.info, timeout=2.0)
+                    return
+                except grpc.RpcError as exc:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise RuntimeError(
+                            f"scheduler {self.config.scheduler} unreachable: {exc.details()}"
+                        ) from exc
+                    await asyncio.sleep(0.3)
+
+    async def _deregister(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            async with grpc.aio.insecure_channel(self.config.scheduler) as channel:
+                await scheduler_pb2_grpc.SchedulerStub(channel).Deregister(
+                    scheduler_pb2.DeregisterRequest(worker_id=self.config.worker_id), timeout=1.0
+                )
+
+    async def _report_load(self, bus: EventBus) -> None:
+        labels = {"worker": self.config.worker_id}
+        while True:
+            load = self.reports.load()
+            metrics.NUM_REQUESTS_RUNNING.labels(**labels).set(load["num_requests_running"])
+            metrics.NUM_REQUESTS_WAITING.labels(**labels).set(load["num_requests_waiting"])
+            metrics.KV_CACHE_USAGE.labels(**labels).set(load["kv_cache_usage"])
+            metrics.PREFIX_CACHE_HIT.labels(**labels).set(load["prefix_cache_hit_rate"])
+            metrics.NUM_PREEMPTIONS.labels(**labels).set(load["num_preemptions"])
+            await bus.publish(load_subject(self.config.worker_id), load_report(load))
+            await asyncio.sleep(self.config.load_interval)
+
+    async def _report_kv_events(self, bus: EventBus, interval: float = 0.02) -> None:
+        """KV events go out as soon as they exist, so placement learns of new
+        prefixes within a step or two."""
+        while True:
+            batch = self.reports.kv_events()
+            if batch is not None:
+                await bus.publish(
+                    kv_subject(self.config.worker_id),
+                    common_pb2.KvEvents(
+                        worker_id=self.config.worker_id,
+                        event_id=batch.event_id,
+                        stored=batch.stored,
+                        removed=batch.removed,
+                        reset=batch.reset,
+                    ),
+                )
+            await asyncio.sleep(interval)

@@ -1,0 +1,48 @@
+"""What an engine worker tells the rest of the mesh, free of gRPC: its load
+(running and waiting requests, KV cache use; the heartbeat the scheduler
+places by) and its KV events, numbered so that a lost batch is noticed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine import AsyncLLM
+
+
+@dataclass(slots=True)
+class KvEventBatch:
+    event_id: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False  # the first batch of this worker's life: forget what you knew
+
+
+class WorkerReports:
+    def __init__(self, engine: AsyncLLM, worker_id: str):
+        self.engine = engine
+        self.worker_id = worker_id
+        self._event_id = 0
+
+    def load(self) -> dict:
+        stats = self.engine.get_stats()
+        return {
+            "worker_id": self.worker_id,
+            "num_requests_running": stats["num_requests_running"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+            "kv_cache_usage": stats["kv_cache_usage"],
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "kv_blocks_total": stats["kv_blocks_total"],
+            "kv_blocks_free": stats["kv_blocks_free"],
+            "num_preemptions": stats["num_preemptions"],
+            "timestamp": time.time(),
+        }
+
+    def kv_events(self) -> KvEventBatch | None:
+        """The next numbered batch of KV events; the first one says `reset`."""
+        events = self.engine.drain_kv_events()
+        first = self._event_id == 0
+        if not (events.stored or events.removed or first):
+            return None
+        self._event_id += 1
+        return KvEventBatch(self._event_id, events.stored, events.removed, reset=first)

@@ -1,0 +1,23 @@
+"""The prefill service's process: a worker host (engine, gRPC, registration,
+reports; services/common/worker_host.py) serving the `Prefill` service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proto.yinian.v1 import worker_pb2_grpc
+from services.common.worker_host import WorkerHost
+from services.prefill.config import PrefillConfig
+from services.prefill.prefill_core import PrefillCore, SenderSet
+from services.prefill.servicer import PrefillServicer
+
+
+async def run(config: PrefillConfig) -> None:
+    host = WorkerHost(config, "yinian-prefill")
+    senders = SenderSet(host.engine.device, asyncio.get_running_loop())
+    host.on_close(senders.close)
+    core = PrefillCore(host.engine, senders.get)
+    host.serve(
+        worker_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(core), "yinian.v1.Prefill"
+    )
+    await host.run()
