@@ -11,6 +11,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
+# The namespace of prefixes an operator marks as shared by every tenant (system
+# prompts): a prompt's leading blocks that lie wholly inside such a prefix are
+# hashed here, the rest under the tenant's own namespace.
+PUBLIC_NAMESPACE = "__public__"
+
 
 def hash_block_tokens(parent_hash: int | None, token_ids, namespace: str = "") -> int:
     """A 64-bit hash of (parent block hash, namespace, this block's tokens)."""
@@ -22,11 +27,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids, namespace: str = "") -
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_prompt_blocks(token_ids, block_size: int, namespace: str = "") -> list[int]:
-    """Hashes of every full block of a token sequence, chained from the first."""
+def block_namespace(index: int, block_size: int, namespace: str, public_tokens: int) -> str:
+    """The namespace of block `index`: public while it lies within the public prefix."""
+    return PUBLIC_NAMESPACE if (index + 1) * block_size <= public_tokens else namespace
+
+
+def hash_prompt_blocks(
+    token_ids, block_size: int, namespace: str = "", public_tokens: int = 0
+) -> list[int]:
+    """Hashes of every full block of a token sequence, chained from the first; the
+    blocks within its first `public_tokens` tokens are in the public namespace."""
     hashes: list[int] = []
     parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], namespace)
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        ns = block_namespace(i, block_size, namespace, public_tokens)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], ns)
         hashes.append(parent)
     return hashes

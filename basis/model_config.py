@@ -128,7 +128,8 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
-    def _attention_parameters(self) -> int:
+    def attention_parameters(self) -> int:
+        """One layer's attention matrices."""
         h, heads = self.hidden_size, self.num_attention_heads
         if not self.is_mla:
             return h * (self.q_size + 2 * self.kv_size) + self.q_size * h
@@ -139,7 +140,7 @@ class ModelConfig:
         )
         return q + kv + heads * self.v_head_dim * h
 
-    def _moe_parameters(self, experts: int) -> int:
+    def moe_parameters(self, experts: int) -> int:
         """A MoE layer's matrices with `experts` of its routed experts (and all shared)."""
         h, w = self.hidden_size, self.moe_intermediate_size
         return (experts + self.n_shared_experts) * 3 * h * w + self.num_experts * h
@@ -148,8 +149,8 @@ class ModelConfig:
         """Parameter count (matrices), used for memory planning and roofline figures."""
         h, layers = self.hidden_size, self.num_hidden_layers
         dense_mlp = 3 * h * self.intermediate_size
-        moe_mlp = self._moe_parameters(self.num_experts)
-        attn = self._attention_parameters()
+        moe_mlp = self.moe_parameters(self.num_experts)
+        attn = self.attention_parameters()
         body = sum(attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return body + embed
@@ -160,8 +161,8 @@ class ModelConfig:
         input embedding only its own row, left out). The batch-1 bandwidth floor."""
         h, layers = self.hidden_size, self.num_hidden_layers
         dense_mlp = 3 * h * self.intermediate_size
-        moe_mlp = self._moe_parameters(self.num_experts_per_tok)
-        attn = self._attention_parameters()
+        moe_mlp = self.moe_parameters(self.num_experts_per_tok)
+        attn = self.attention_parameters()
         body = sum(attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(layers))
         return body + self.vocab_size * h
 

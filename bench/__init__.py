@@ -1,1 +1,2 @@
-"""Benchmarks: GPU scripts whose raw output lands in bench/results/, and the load generator."""
+"""Benchmarks: the load generator behind `yinian bench` (loadgen/), the GPU experiment
+scripts (gpu/), and their current raw results (results/)."""

@@ -11,10 +11,6 @@ Validation happens in the caller, before anything is queued. Leaving the
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,10 +18,9 @@ from basis.sampling_params import SamplingParams
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Reservation
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -36,17 +31,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self._engine = engine
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._pending: list[tuple[str, str, dict]] = []  # (kind, request_id, add_request kwargs)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = False
-        # Only the engine thread touches the engine; others read these snapshots.
-        self._stats = engine.get_stats()
-        self._stats_at, self._stale = time.monotonic(), False
-        self._events = KVEvents()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = EngineThread(engine)
 
     @classmethod
     def from_model(cls, model: str | Path, **options) -> AsyncLLM:
@@ -61,9 +46,10 @@ class AsyncLLM:
         *,
         priority: int = 0,
         namespace: str = "",
+        public_tokens: int = 0,
         delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        if self._stopped:
+        if self._thread.stopped:
             raise RuntimeError("the engine has shut down")
         prompt_ids = self._engine.tokenize(prompt)
         self._engine.validate(prompt_ids, params)
@@ -73,26 +59,20 @@ class AsyncLLM:
             params=params,
             priority=priority,
             namespace=namespace,
+            public_tokens=public_tokens,
             prompt_token_ids=prompt_ids,
             delta=delta,
         )
-        with self._lock:
-            self._pending.append(("add", request_id, kwargs))
-        self._wake.set()
+        self._thread.add(request_id, kwargs)
         async for out in stream:
             yield out
 
     def open_stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Where a request's outputs will arrive (register before the request is
-        added through `call`). Leaving the iteration early aborts the request."""
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._queues:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-        return self._iterate(request_id, queue)
+        """Where a request's outputs will arrive (open it before `add_request` or
+        `reserve_remote`). Leaving the iteration early aborts the request."""
+        return self._iterate(request_id, self._thread.open(request_id))
 
-    async def _iterate(self, request_id: str, queue: asyncio.Queue):
+    async def _iterate(self, request_id: str, queue):
         finished = False
         try:
             while True:
@@ -115,6 +95,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         namespace: str = "",
+        public_tokens: int = 0,
         handoff=None,
         hold_seconds: float | None = None,
     ) -> None:
@@ -129,6 +110,7 @@ class AsyncLLM:
                 params,
                 priority=priority,
                 namespace=namespace,
+                public_tokens=public_tokens,
                 prompt_token_ids=prompt_ids,
                 delta=True,
                 handoff=handoff,
@@ -144,12 +126,19 @@ class AsyncLLM:
         *,
         priority: int = 0,
         namespace: str = "",
+        public_tokens: int = 0,
     ) -> Reservation | None:
         """Decode role: blocks for the prompt, to be filled from outside (None: not
         free now). Open the request's stream first."""
         return await self._call(
             lambda e: e.reserve_remote(
-                request_id, prompt_ids, params, priority=priority, namespace=namespace, delta=True
+                request_id,
+                prompt_ids,
+                params,
+                priority=priority,
+                namespace=namespace,
+                public_tokens=public_tokens,
+                delta=True,
             )
         )
 
@@ -167,6 +156,41 @@ class AsyncLLM:
     async def release_held(self, request_id: str) -> bool:
         """Prefill role: frees the blocks held for `request_id`'s handoff."""
         return await self._call(lambda e: e.release_held(request_id))
+
+    # -- the shared tier's side (the worker moves the bytes) ----------------------
+    async def cached_prefix_blocks(
+        self, prompt_ids: list[int], namespace: str = "", public_tokens: int = 0
+    ) -> int:
+        """How many leading full blocks of a prompt the device or host tier holds."""
+        return await self._call(
+            lambda e: e.tiers.cached_prefix_blocks(prompt_ids, namespace, public_tokens)
+        )
+
+    async def import_blocks(self, blocks: list[tuple[int, bytes]]) -> int:
+        """Verified blocks, (hash, bytes), into the host tier; how many it took."""
+        return await self._call(lambda e: e.tiers.import_blocks(blocks))
+
+    async def export_blocks(self, hashes: list[int]) -> list[bytes]:
+        """The bytes of the leading blocks of `hashes` still held here."""
+        return await self._call(lambda e: e.tiers.export_blocks(hashes))
+
+    async def kv_snapshot(self) -> tuple[list[int], list[int]]:
+        """Every block hash cached on the device and in the host tier; the KV events
+        before it are dropped (it includes them), later ones keep coming."""
+        return await self._thread.snapshot_kv()
+
+    @property
+    def kv_block_layout(self) -> str:
+        """dtype and one block's shape across layers (a stored block must match it)."""
+        return self._engine.tiers.block_layout
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self._engine.tiers.block_bytes
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self._engine.tiers.host is not None
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every check a request must pass; a ValueError changes nothing."""
@@ -198,156 +222,24 @@ class AsyncLLM:
         return self._engine.config.max_num_seqs
 
     async def _call(self, fn):
-        """Runs `fn(engine)` on the engine thread between steps and returns its
-        result. A RequestOutput it returns also goes to that request's stream."""
-        if self._stopped:
-            raise RuntimeError("the engine has shut down")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            self._pending.append(("call", "", {"fn": fn, "future": future, "loop": loop}))
-        self._wake.set()
-        return await future
+        return await self._thread.call(fn)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            if self._queues.pop(request_id, None) is not None:
-                self._pending.append(("abort", request_id, {}))
-        self._wake.set()
+        self._thread.abort(request_id)
 
     def get_stats(self) -> dict:
         """The engine's statistics as of its last step."""
-        return self._stats
+        return self._thread.stats
 
     def drain_kv_events(self) -> KVEvents:
         """Prefix-cache blocks stored and removed since the last call."""
-        with self._lock:
-            events, self._events = self._events, KVEvents()
-        return events
+        return self._thread.drain_events()
 
     def shutdown(self) -> None:
         """Stops the engine thread; every open stream ends with an error."""
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-        with self._lock:
-            queues, self._queues = self._queues, {}
-        for loop, queue in queues.values():
-            try:
-                loop.call_soon_threadsafe(
-                    queue.put_nowait, RuntimeError("the engine has shut down")
-                )
-            except RuntimeError:  # that caller's loop is gone
-                pass
+        self._thread.stop()
 
     def close(self) -> None:
         """Shuts down and frees the device memory (weights, KV cache, graphs)."""
-        self.shutdown()
-        if not self._thread.is_alive():
+        if self._thread.stop():
             self._engine.close()
-
-    # -- engine thread -------------------------------------------------------
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if not pending:
-            return
-        for kind, request_id, kwargs in pending:
-            if kind == "call":
-                self._run_call(**kwargs)
-                continue
-            try:
-                if kind == "abort":
-                    self._engine.abort_request(request_id)
-                else:
-                    self._engine.add_request(request_id, **kwargs)
-            except Exception as exc:  # validated already; anything here is reported, not lost
-                self._deliver(request_id, exc, final=True)
-        self._publish()
-
-    def _run_call(self, fn, future, loop) -> None:
-        try:
-            result, error = fn(self._engine), None
-        except Exception as exc:
-            result, error = None, exc
-        if isinstance(result, RequestOutput):
-            self._deliver(result.request_id, result, result.finished)
-
-        def settle():
-            if future.cancelled():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the caller's loop is gone
-            pass
-
-    def _deliver(self, request_id: str, item, final: bool) -> None:
-        with self._lock:
-            entry = self._queues.get(request_id)
-            if entry is not None and final:
-                del self._queues[request_id]
-        if entry is not None:
-            loop, queue = entry
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the caller's loop closed; nobody is listening
-                pass
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # the engine is gone: nobody may wait forever
-            logger.exception("engine thread died")
-            self._stopped = True
-            with self._lock:
-                queues, self._queues = self._queues, {}
-            for loop, queue in queues.values():
-                try:
-                    loop.call_soon_threadsafe(
-                        queue.put_nowait, RuntimeError(f"the engine stopped: {exc}")
-                    )
-                except RuntimeError:
-                    pass
-
-    def _loop(self) -> None:
-        while not self._stopped:
-            self._apply_pending()
-            if self._engine.expire_held():
-                self._publish()  # freed blocks show in the next load report
-            if not self._engine.has_work():
-                if self._stale:
-                    self._publish(force=True)  # the snapshot readers see while idle
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self._engine.step()
-            except Exception as exc:
-                logger.exception("engine step failed outside the model")
-                ids = list(self._engine.requests)
-                for request_id in ids:
-                    self._engine.abort_request(request_id)
-                for request_id in ids:
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"), True)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out, out.finished)
-            self._publish()
-
-    def _publish(self, force: bool = False) -> None:
-        """Refreshes the stats snapshot (at most every 50 ms: it walks every block
-        table) and hands on KV events (every time: placement wants them early)."""
-        now = time.monotonic()
-        self._stale = True
-        if force or now - self._stats_at >= 0.05:
-            self._stats, self._stats_at, self._stale = self._engine.get_stats(), now, False
-        events = self._engine.drain_kv_events()
-        if events.stored or events.removed:
-            with self._lock:
-                self._events.stored.extend(events.stored)
-                self._events.removed.extend(events.removed)

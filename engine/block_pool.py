@@ -26,6 +26,17 @@ class KVEvents:
 
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
+    host_stored: list[int] = field(default_factory=list)  # the host tier's, when there is one
+    host_removed: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.host_stored or self.host_removed)
+
+    def extend(self, other: KVEvents) -> None:
+        self.stored.extend(other.stored)
+        self.removed.extend(other.removed)
+        self.host_stored.extend(other.host_stored)
+        self.host_removed.extend(other.host_removed)
 
 
 class BlockPool:
@@ -43,6 +54,10 @@ class BlockPool:
         )
         self._cached: dict[int, KVBlock] = {}
         self.events = KVEvents()
+        # Blocks that became free while cached, for the host tier to back up (kept only
+        # while one is attached).
+        self.track_newly_free = False
+        self._newly_free: list[KVBlock] = []
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,6 +105,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if self.track_newly_free and block.block_hash is not None:
+                    self._newly_free.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
         """Publishes a full block under its chained hash so later prompts can reuse it."""
@@ -116,6 +133,14 @@ class BlockPool:
         for block in list(self._cached.values()):
             self._evict(block)
         return True
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
+    def take_newly_free(self) -> list[KVBlock]:
+        """Cached blocks freed since the last call that are still cached now."""
+        blocks, self._newly_free = self._newly_free, []
+        return [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
 
     def drain_events(self) -> KVEvents:
         events, self.events = self.events, KVEvents()

@@ -44,6 +44,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(True, "split long prompts over several steps")
     max_prefill_chunk: int | None = setting(None, "cap on one sequence's prompt tokens per step")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of equal prefixes")
+    host_kv_cache_gb: float | None = setting(
+        None,
+        "host tier of the KV cache, in GiB: blocks that leave the device wait here to be "
+        "reused (default: a fifth of the available host memory, at most 16; 0: off)",
+    )
     scheduling_policy: str = setting(
         "fcfs", "fcfs, or priority (lower value first)", choices=_POLICIES
     )
@@ -80,6 +85,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if self.host_kv_cache_gb is not None and self.host_kv_cache_gb < 0:
+            raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -1,16 +1,32 @@
-"""Per-sequence block tables over the block pool, with automatic prefix caching.
+"""Per-sequence block tables over the block pool, with automatic prefix caching
+across two tiers: the device pool, and (when attached) the host tier.
 
 The scheduler sees only this API: find a sequence's cached prefix, allocate
-slots for the tokens it will compute, fork a sequence from another, free.
+slots for the tokens it will compute, fork a sequence from another, free. A
+prefix found in the host tier gets device blocks like new tokens do, and the
+copies that fill them are queued for the engine to issue before the step
+(`take_loads`); blocks that become free while still cached go to the host
+tier in the background (`take_newly_free`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from basis.block_hash import hash_block_tokens
+from basis.block_hash import block_namespace, hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A sequence's longest cached prefix: device blocks, then host-tier slots."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    host_slots: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.blocks) + len(self.host_slots)
 
 
 @dataclass(slots=True)
@@ -22,6 +38,7 @@ class CacheStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     fragmentation: float
+    host_hit_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -43,6 +60,9 @@ class KVCacheManager:
         self._ids: dict[str, list[int]] = {}  # seq_id -> block ids of its table
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.host_hit_tokens = 0
+        self.host = None  # the engine attaches its HostTier, if it has one
+        self._loads: list[tuple[int, int]] = []  # (host slot, device block id) to copy
 
     # -- queries -------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -59,29 +79,38 @@ class KVCacheManager:
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start : start + size], seq.namespace))
+            ns = block_namespace(len(hashes), size, seq.namespace, seq.public_tokens)
+            hashes.append(hash_block_tokens(parent, tokens[start : start + size], ns))
         return hashes
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """The longest run of cached blocks matching the sequence's start.
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest run of cached blocks matching the sequence's start: on the
+        device, then continued in the host tier.
 
         At least one token is always left to compute, so the model produces
         logits for the last prompt position.
         """
+        found = CachedPrefix()
         if not self.enable_prefix_caching:
-            return []
-        hit: list[KVBlock] = []
+            return found
         limit = (seq.num_tokens - 1) // self.block_size
-        for block_hash in self.block_hashes(seq)[:limit]:
+        hashes = self.block_hashes(seq)[:limit]
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hit.append(block)
-        return hit
+            found.blocks.append(block)
+        if self.host is not None:
+            for block_hash in hashes[len(found.blocks) :]:
+                slot = self.host.pool.lookup(block_hash)
+                if slot is None:
+                    break
+                found.host_slots.append(slot)
+        return found
 
     # -- changes -------------------------------------------------------------
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None
+        self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix | None = None
     ) -> bool:
         """Makes room for `num_new_tokens` more tokens of `seq`.
 
@@ -92,31 +121,43 @@ class KVCacheManager:
         table = self.tables.get(seq.seq_id, [])
         if cached is not None and table:
             raise RuntimeError("a cached prefix can only start an empty block table")
+        device = cached.blocks if cached is not None else []
         if cached:
             num_computed = len(cached) * self.block_size
         else:
             num_computed = seq.num_computed_tokens
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached or ())
-        reclaimable = sum(1 for b in cached or () if b.ref_cnt == 0)
+        # host-tier hits need device blocks like new tokens do
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(device)
+        reclaimable = sum(1 for b in device if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reclaimable:
             return False
         if cached is not None:
-            self.pool.touch(cached)
-            table = list(cached)
+            self.pool.touch(device)
+            table = list(device)
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed
             if self.enable_prefix_caching:
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += num_computed
+                self.host_hit_tokens += len(cached.host_slots) * self.block_size
         if need > 0:
             new = self.pool.allocate(need)
             table = table + new
+            for slot, block in zip(cached.host_slots if cached else (), new):
+                self.host.pool.pin(slot)  # until the copy into `block` is done
+                self._loads.append((slot, block.block_id))
         self.tables[seq.seq_id] = table
         if cached is not None or seq.seq_id not in self._ids:
             self._ids[seq.seq_id] = [b.block_id for b in table]
         elif need > 0:
             self._ids[seq.seq_id].extend(b.block_id for b in new)
         return True
+
+    def take_loads(self) -> list[tuple[int, int]]:
+        """The host-to-device copies the last allocations need, (slot, block id);
+        the engine issues them before the step that reads those blocks."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares the parent's full prompt blocks and recomputes the rest."""
@@ -177,4 +218,5 @@ class KVCacheManager:
             prefix_queried_tokens=self.prefix_queried_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             fragmentation=unused / allocated if allocated else 0.0,
+            host_hit_tokens=self.host_hit_tokens,
         )

@@ -22,11 +22,14 @@ from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Disaggregation, Reservation
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_tiers import KVTiers
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState, make_output
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.stats import engine_stats
 from engine.stepping import Step, complete, launch
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.disagg = Disaggregation(self.kv, self.scheduler, self.runner.kv_caches)
+        self.tiers = KVTiers(self.config, self.runner.kv_caches, self.kv)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.async_scheduling = self.config.async_scheduling
@@ -64,38 +68,13 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send token ids, not text")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(
-                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every check a request must pass; raises ValueError, changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        self.model_config.check_token_ids(prompt_ids)
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
-                f"within the model's context length of {self.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        total = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if self.kv.blocks_needed(total) > self.kv.pool.num_usable_blocks:
-            raise ValueError(
-                f"the request needs up to {total} tokens of KV cache; the engine holds "
-                f"{self.kv.pool.num_usable_blocks * self.config.block_size}"
-            )
+        check_request(
+            prompt_ids, params, self.model_config, self.max_model_len, self.tokenizer, self.kv
+        )
 
     def add_request(
         self,
@@ -105,6 +84,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         namespace: str = "",
+        public_tokens: int = 0,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         delta: bool = False,
@@ -143,6 +123,7 @@ class LLMEngine:
         seqs[0].handoff = handoff
         for seq in seqs:
             seq.hold_blocks = hold_seconds is not None
+            seq.public_tokens = public_tokens
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id, index, prompt_ids, params, priority, namespace, arrival):
@@ -217,6 +198,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         namespace: str = "",
+        public_tokens: int = 0,
         delta: bool = False,
     ) -> Reservation | None:
         """Makes the request and blocks for its whole prompt, to be filled from
@@ -233,6 +215,7 @@ class LLMEngine:
         seq = self._new_sequence(
             request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
         )
+        seq.public_tokens = public_tokens
         state = RequestState(
             request_id,
             None,
@@ -244,6 +227,7 @@ class LLMEngine:
         reservation = self.disagg.reserve(state)
         if reservation is not None:
             self.requests[request_id] = state
+            self.tiers.load_pending()  # a prefix hit in the host tier: load it now
         return reservation
 
     def commit_remote(
@@ -260,6 +244,12 @@ class LLMEngine:
     def expire_held(self) -> list[str]:
         """Prefill role: frees the blocks whose lease ran out; returns their requests."""
         return self.disagg.expire()
+
+    def housekeeping(self) -> bool:
+        """Between steps, also when idle: ends expired leases and finished host-tier
+        copies. True when blocks were freed."""
+        freed = bool(self.expire_held())
+        return self.tiers.housekeeping() or freed
 
     def _emit(self, state: RequestState) -> RequestOutput:
         out = make_output(state)
@@ -300,29 +290,12 @@ class LLMEngine:
         for request_id in list(self.disagg.held):
             self.disagg.release(request_id)
         self._inflight = None
+        self.tiers.close()
         self.runner.close()
 
     # -- reporting -----------------------------------------------------------
     def get_stats(self) -> dict:
-        held = {s.seq_id: s.num_computed_tokens for s in self.scheduler.running}
-        cache = self.kv.stats(held)
-        return {
-            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": len(
-                {s.request_id for s in self.scheduler.waiting}
-                - {s.request_id for s in self.scheduler.running}
-            ),
-            "kv_cache_usage": cache.usage,
-            "kv_blocks_total": cache.num_blocks,
-            "kv_blocks_free": cache.num_free_blocks,
-            "kv_blocks_used": cache.num_used_blocks,
-            "prefix_cache_queried_tokens": cache.prefix_queried_tokens,
-            "prefix_cache_hit_tokens": cache.prefix_hit_tokens,
-            "prefix_cache_hit_rate": cache.prefix_hit_rate,
-            "kv_fragmentation": cache.fragmentation,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_tokens_processed": self.runner.num_tokens_processed,
-        }
+        return engine_stats(self.scheduler, self.kv, self.runner, self.tiers.host)
 
     def drain_kv_events(self) -> KVEvents:
-        return self.kv.pool.drain_events()
+        return self.tiers.drain_events()

@@ -47,6 +47,7 @@ class Sequence:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     namespace: str = ""  # prefix-cache namespace (tenant); equal prefixes share only within one
+    public_tokens: int = 0  # leading tokens of an operator's public prefix (shared by all tenants)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

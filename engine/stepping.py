@@ -47,6 +47,7 @@ def launch(engine) -> Step | None:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
     step = Step(batch.seqs)
+    engine.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
     tables = [engine.kv.block_ids(s) for s in batch.seqs]
     handoffs = engine.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
     try:
@@ -108,3 +109,4 @@ def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
     for seq in held:
         state = touched[seq.request_id]
         engine.disagg.hold(state, state.hold_seconds)
+    engine.housekeeping()  # back up what just became free; finish copies that are done

@@ -17,6 +17,8 @@ def register() -> None:
         return
     from kernels.activation import silu_and_mul
     from kernels.fused_moe import fused_moe
+    from kernels.grouped_topk import grouped_topk
+    from kernels.mla_rotary import mla_rotary_cache_write
     from kernels.moe_routing import moe_route
     from kernels.norm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary, rotary_cache_write
@@ -28,7 +30,9 @@ def register() -> None:
         apply_rotary,
         rotary_cache_write,
         moe_route,
+        grouped_topk,
         fused_moe,
+        mla_rotary_cache_write,
     ):
         ops.register_cuda(fn.__name__, fn)
     _registered = True

@@ -38,18 +38,15 @@ def mla_rotary_cache_write(
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool,
-) -> torch.Tensor:
-    """Rotates q_pe [T, H, R] in place (neox layout out, also for interleaved input),
-    stores [latent [T, C] | rotated k_pe [T, 1, R]] at each token's cache slot.
-    Returns the rotated k_pe [T, 1, R]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q_pe [T, H, R] and k_pe [T, 1, R] (neox layout out, also for interleaved
+    input), stores [latent [T, C] | rotated k_pe] at each token's cache slot. Returns the
+    rotated (q_pe, k_pe), new tensors: the op is idempotent, so a tuner may time it."""
     if interleaved:
-        q_in, k_in = deinterleave(q_pe), deinterleave(k_pe)
-    else:
-        q_in, k_in = q_pe, k_pe
-    q_rot, k_rot = reference.apply_rotary(q_in, k_in, positions, cos_sin)
-    q_pe.copy_(q_rot)
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+    q_rot, k_rot = reference.apply_rotary(q_pe, k_pe, positions, cos_sin)
     write_latent_cache(latent, k_rot[:, 0], cache, slot_mapping)
-    return k_rot
+    return q_rot, k_rot
 
 
 def write_latent_cache(

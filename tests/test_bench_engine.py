@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench import datasets
-from bench.cli import run
-from bench.engine_bench import run_engine_bench
+from bench.loadgen import datasets
+from bench.loadgen.cli import run
+from bench.loadgen.engine_bench import run_engine_bench
 
 FIGURES = ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
 
@@ -77,7 +77,7 @@ def test_peer_with_varied_output_lengths(model_dir, tmp_path):
 def test_peer_without_continuous_batching_reports_the_error(monkeypatch, model_dir):
     import transformers
 
-    from bench.engine_bench import run_transformers
+    from bench.loadgen.engine_bench import run_transformers
 
     class OldModel:  # what a transformers before 4.53 would give: no generate_batch
         def to(self, device):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.cli import run
+from bench.loadgen.cli import run
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from fake_openai_server import ERROR_BODY, FakeOpenAIServer
 
-from bench import datasets
-from bench.cli import run
-from bench.metrics import compute_metrics
-from bench.serve import arrival_offsets
-from bench.serve_client import RequestResult
+from bench.loadgen import datasets
+from bench.loadgen.cli import run
+from bench.loadgen.client import RequestResult
+from bench.loadgen.metrics import compute_metrics
+from bench.loadgen.serve import arrival_offsets
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

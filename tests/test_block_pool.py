@@ -8,7 +8,7 @@ import pytest
 from basis.block_hash import hash_block_tokens, hash_prompt_blocks
 from basis.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from engine.sequence import Sequence
 
 
@@ -77,7 +77,7 @@ def test_manager_prefix_hit_and_statistics():
 
     b = seq("b", list(range(8)) + [99, 98, 97])
     cached = kv.find_cached_prefix(b)
-    assert [blk.block_id for blk in cached] == [1, 2]
+    assert [blk.block_id for blk in cached.blocks] == [1, 2] and not cached.host_slots
     assert kv.allocate_slots(b, 3, cached)
     assert b.num_computed_tokens == 8 and kv.block_ids(b) == [1, 2, 4]
     stats = kv.stats({"a": 10, "b": 11})
@@ -89,7 +89,7 @@ def test_manager_prefix_hit_and_statistics():
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = seq("a", list(range(20)))
-    assert not kv.allocate_slots(a, 20, [])
+    assert not kv.allocate_slots(a, 20, CachedPrefix())
     assert kv.block_ids(a) == [] and kv.pool.num_free_blocks == 3
     assert a.num_computed_tokens == 0
 
@@ -97,8 +97,8 @@ def test_allocation_failure_changes_nothing():
 def test_other_namespace_misses():
     kv = KVCacheManager(num_blocks=9, block_size=4)
     a = seq("a", list(range(9)), namespace="x")
-    assert kv.allocate_slots(a, 9, [])
+    assert kv.allocate_slots(a, 9, CachedPrefix())
     a.num_computed_tokens = 9
     kv.commit(a)
-    assert kv.find_cached_prefix(seq("b", list(range(9)), namespace="y")) == []
+    assert len(kv.find_cached_prefix(seq("b", list(range(9)), namespace="y"))) == 0
     assert len(kv.find_cached_prefix(seq("c", list(range(9)), namespace="x"))) == 2

@@ -23,6 +23,7 @@ import yaml
 
 from services.decode import config as decode_config
 from services.gateway import config as gateway_config
+from services.kvstore import config as kvstore_config
 from services.prefill import config as prefill_config
 from services.scheduler import config as scheduler_config
 
@@ -38,8 +39,9 @@ PARSERS = {
     "services.scheduler": scheduler_config.parse,
     "services.decode": decode_config.parse,
     "services.prefill": prefill_config.parse,
+    "services.kvstore": kvstore_config.parse,
 }
-YINIAN_SERVICES = {"scheduler", "worker-1", "worker-2", "gateway"}
+YINIAN_SERVICES = {"scheduler", "kvstore", "worker-1", "worker-2", "gateway"}
 WORKERS = ("worker-1", "worker-2")
 EXPECTED_SERVICES = YINIAN_SERVICES | {"nats", "redis", "jaeger", "prometheus"}
 TINY_MODEL = "/models/tiny-llama"
@@ -168,6 +170,17 @@ def test_scheduler_command(monkeypatch, compose):
     assert f"127.0.0.1:{config.port}" in test
 
 
+def test_kvstore_command(monkeypatch, compose):
+    config = service_config(monkeypatch, compose, "kvstore")
+    assert config.host == "0.0.0.0"
+    assert config.nats_url == "nats://nats:4222"
+    assert config.redis_url == "redis://redis:6379/0", "the shared tier is on"
+    assert config.metrics_port != 0
+    test = compose["services"]["kvstore"]["healthcheck"]["test"]
+    assert f"127.0.0.1:{config.port}" in test
+    assert compose["services"]["kvstore"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
 @pytest.mark.parametrize("name", WORKERS)
 def test_worker_command(monkeypatch, compose, name):
     config = service_config(monkeypatch, compose, name)
@@ -223,7 +236,7 @@ def test_prometheus_scrapes_every_service(monkeypatch, compose):
     }
     gateway = service_config(monkeypatch, compose, "gateway")
     assert f"gateway:{gateway.port}" in targets  # /metrics on the REST port
-    for name in ("scheduler", *WORKERS):
+    for name in ("scheduler", "kvstore", *WORKERS):
         config = service_config(monkeypatch, compose, name)
         assert f"{name}:{config.metrics_port}" in targets
     volumes = compose["services"]["prometheus"]["volumes"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from test_hf_parity import random_prompts
 
@@ -50,8 +51,9 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt):
     return res, run_until_done(decode, request_id)
 
 
-def test_split_engines_equal_one_engine(model_dir):
-    folder = model_dir("tiny-llama")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])  # K/V and latent caches
+def test_split_engines_equal_one_engine(model_dir, name):
+    folder = model_dir(name)
     cfg = dict(dtype="float32", device="cpu", max_prefill_chunk=48)
     prefill, decode = LLMEngine(folder, EngineConfig(**cfg)), LLMEngine(folder, EngineConfig(**cfg))
     prompts = random_prompts(500, (1, 16, 17, 100, 333), seed=81)

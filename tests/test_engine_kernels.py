@@ -15,7 +15,7 @@ from kernels import ops
 PARAMS = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"])
 def test_kernels_equal_references(model_dir, name):
     prompts = random_prompts(500, (1, 19, 40), seed=71)
     ref = LLM(model_dir(name), device="cpu")
@@ -36,8 +36,9 @@ def test_batch_buckets():
     assert batch_buckets(3) == [1, 2, 3]
 
 
-def test_padded_decode_buffers_give_the_unpadded_logits(model_dir):
-    llm = LLM(model_dir("tiny-qwen3"), device="cpu", kernels="triton")
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3"])  # K/V and latent caches
+def test_padded_decode_buffers_give_the_unpadded_logits(model_dir, name):
+    llm = LLM(model_dir(name), device="cpu", kernels="triton")
     engine, runner = llm.engine, llm.engine.runner
     for i, prompt in enumerate(random_prompts(500, (5, 30, 17), seed=72)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, ignore_eos=True))

@@ -11,6 +11,7 @@ from conftest import ALL_MODELS
 from hf_oracle import hf_greedy, hf_logits, hf_model
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.kv_cache_manager import CachedPrefix
 from engine.sequence import Sequence
 
 PROMPT_LENGTHS = (1, 2, 15, 16, 17, 33, 64, 127, 200, 300)
@@ -28,7 +29,7 @@ def engine_logits(engine: LLMEngine, prompt: list[int], steps: int) -> list[torc
     model = engine.runner.model
     out = []
     new = len(prompt)
-    cached: list | None = []
+    cached: CachedPrefix | None = CachedPrefix()  # admitted with nothing cached
     for _ in range(steps + 1):
         assert engine.kv.allocate_slots(seq, new, cached)
         cached = None

@@ -507,10 +507,10 @@ def test_cuda_ipc_receiver_wait_returns_once_marked_done():
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA IPC needs a GPU; bench/kv_transfer_gpu.py runs it"
+    not torch.cuda.is_available(), reason="CUDA IPC needs a GPU; bench/gpu/pd_cuda_ipc.py runs it"
 )
 def test_cuda_ipc_between_processes_on_gpu():
-    from bench.kv_transfer_gpu import run
+    from bench.gpu.kv_transfer import run
 
     report = run({"copy_gbps": 0.0}, sizes=("small",))
     assert all(row["exact"] for row in report["cuda_ipc"])

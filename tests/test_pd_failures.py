@@ -9,7 +9,7 @@ import time
 import httpx
 from test_hf_parity import random_prompts
 
-from bench import pd_kill
+from bench.gpu import pd_kill
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec

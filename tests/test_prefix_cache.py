@@ -54,3 +54,29 @@ def test_identical_prompt_leaves_last_token_to_compute(model_dir):
     b = llm.generate([prompt], PARAMS)[0]
     assert b.num_cached_tokens == 48  # the last block is recomputed for its logits
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_public_prefix_is_shared_by_every_tenant_and_nothing_else(model_dir):
+    """An operator's public prefix (a system prompt) is cached for everyone; the
+    blocks after it stay the tenant's."""
+    llm = LLM(model_dir("tiny-qwen3"), dtype="float32", device="cpu")
+    engine = llm.engine
+    system, question = random_prompts(512, (70, 60), seed=23)
+    prompt = system + question
+    want = llm.generate([prompt], PARAMS)[0].outputs[0].token_ids
+
+    def run(request_id, tenant):
+        engine.add_request(request_id, prompt, PARAMS, namespace=tenant, public_tokens=70)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out
+        return outs[request_id]
+
+    a = run("a", "tenant-a")
+    assert a.num_cached_tokens == 0  # the public blocks are new; the earlier run was private
+    b = run("b", "tenant-b")
+    assert b.num_cached_tokens == 64  # the 4 blocks wholly inside the 70 public tokens
+    c = run("c", "tenant-a")
+    assert c.num_cached_tokens == 128  # its own blocks too
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids == want

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from bench.cli import add_bench_parser
+from bench.loadgen.cli import add_bench_parser
 from engine.cli_args import add_engine_args, engine_options
 from yinian.up import add_up_parser
 

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.processes import free_port, start_nats, stop_process
+from services.common.processes import free_port, start_nats, start_redis, stop_process
 
 
 def _die_with_parent() -> None:
@@ -36,6 +36,9 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
     log_path: Path | None = None
+    command: list[str] = field(default_factory=list)  # to start it again
+    env: dict[str, str] = field(default_factory=dict)
+    starts: int = 1
 
 
 @dataclass
@@ -61,6 +64,12 @@ class MeshSpec:
     # turn; each worker sees all of them, its own first, so NCCL and CUDA IPC reach peers.
     gpus: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    # The KV store (shared tier + global index) and the Redis behind it: started here
+    # unless `redis_url` names one; without any redis-server the store runs the
+    # index only (host tiers still work).
+    kvstore: bool = False
+    redis_url: str | None = None
+    kvstore_argv: list[str] = field(default_factory=list)
 
 
 class Mesh:
@@ -69,6 +78,9 @@ class Mesh:
         self.children: list[Child] = []
         self.nats_proc: subprocess.Popen | None = None
         self.nats_url = spec.nats_url
+        self.redis_proc: subprocess.Popen | None = None
+        self.redis_url = spec.redis_url
+        self.kvstore_address = ""
         self.scheduler_address = ""
         self.grpc_port = spec.grpc_port or free_port()
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
@@ -94,8 +106,13 @@ class Mesh:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         env.update(self.spec.role_env.get(role, {}))
         env.update(extra or {})
+        child = self._launch(name, [sys.executable, "-m", module, *argv], env)
+        self.children.append(child)
+        return child
+
+    def _launch(self, name: str, command: list[str], env: dict, starts: int = 1) -> Child:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
@@ -103,14 +120,24 @@ class Mesh:
             text=True,
             start_new_session=True,
         )
-        child = Child(name, proc, log_path=self.log_dir / f"{name}.log")
+        child = Child(name, proc, log_path=self.log_dir / f"{name}.log", command=command,
+                      env=env, starts=starts)  # fmt: skip
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
-        self.children.append(child)
         return child
+
+    def respawn(self, name: str, timeout: float = 120.0) -> Child:
+        """Starts a child again with its first command (stopping it first if it still
+        runs) and waits until it is ready; its log continues."""
+        old = self.child(name)
+        stop_process(old.proc)
+        new = self._launch(name, old.command, old.env, old.starts + 1)
+        self.children[self.children.index(old)] = new
+        self._wait([new], time.monotonic() + timeout)
+        return new
 
     @staticmethod
     def _pump(child: Child) -> None:
-        with open(child.log_path, "w") as log:
+        with open(child.log_path, "a" if child.starts > 1 else "w") as log:
             for line in child.proc.stdout:
                 log.write(line)
                 log.flush()
@@ -143,6 +170,7 @@ class Mesh:
             *([] if role == "prefill" else ["--role", role]),
             "--host",
             self.spec.host,
+            *(["--kvstore", self.kvstore_address] if self.kvstore_address else []),
             *self.spec.engine_argv,
             *self.spec.worker_argv,
             *self.spec.role_argv.get(role, []),
@@ -168,7 +196,10 @@ class Mesh:
                     *self.spec.scheduler_argv,
                 ],
             )
-            self._wait([scheduler], deadline)
+            started = [scheduler]
+            if self.spec.kvstore:
+                started.append(self._start_kvstore())
+            self._wait(started, deadline)
             roles = [
                 ("worker", "colocated", "decode", self.spec.workers),
                 ("prefill", "prefill", "prefill", self.spec.prefill),
@@ -209,6 +240,31 @@ class Mesh:
             raise
         return self
 
+    def _start_kvstore(self) -> Child:
+        if self.redis_url is None:
+            try:
+                self.redis_proc, self.redis_url = start_redis()
+            except FileNotFoundError:
+                self.redis_url = ""
+                print("no redis-server found: the shared KV tier is off (host tiers only)",
+                      flush=True)  # fmt: skip
+        port = free_port()
+        self.kvstore_address = f"{self.spec.host}:{port}"
+        argv = ["--host", self.spec.host, "--port", str(port), "--nats-url", self.nats_url]
+        if self.redis_url:
+            argv += ["--redis-url", self.redis_url]
+        return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv])
+
+    def kill_redis(self) -> None:
+        """SIGKILL the mesh's Redis (a crash, for tests); `restart_redis` brings it back."""
+        os.killpg(self.redis_proc.pid, signal.SIGKILL)
+        self.redis_proc.wait(timeout=10)
+
+    def restart_redis(self) -> None:
+        """A fresh, empty Redis on the same port."""
+        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+        self.redis_proc, _ = start_redis(port)
+
     def _wait_healthy(self, deadline: float) -> None:
         while True:
             try:
@@ -233,9 +289,11 @@ class Mesh:
     def stop(self) -> None:
         for child in reversed(self.children):
             stop_process(child.proc)
-        if self.nats_proc is not None:
-            stop_process(self.nats_proc)
-            self.nats_proc = None
+        for attr in ("nats_proc", "redis_proc"):
+            proc = getattr(self, attr)
+            if proc is not None:
+                stop_process(proc)
+                setattr(self, attr, None)
 
     def __enter__(self) -> Mesh:
         return self.start()

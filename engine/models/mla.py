@@ -74,13 +74,13 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(kv_a[:, : self.rank])
         k_pe = kv_a[:, None, self.rank :]
-        # q_pe is rotated in place, so q is the whole expanded-form query.
-        k_pe = ops.mla_rotary_cache_write(
+        q_pe, k_pe = ops.mla_rotary_cache_write(
             q_pe, k_pe, latent, positions, cos_sin, cache, meta.slot_mapping, self.interleaved
         )
         if meta.decode_only:
             out = self._absorbed(q_nope, q_pe, cache, meta, backend)
         else:
+            q = torch.cat([q_nope, q_pe], dim=-1)
             out = self._expanded(q, latent, k_pe, cache, meta, backend)
         return F.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj)
 

@@ -23,7 +23,13 @@ def load_subject(worker_id: str = "*") -> str:
 
 
 def kv_subject(worker_id: str = "*") -> str:
+    """A worker's KvEvents."""
     return f"{SUBJECT_PREFIX}.kv.{worker_id}"
+
+
+# Not under `kv.` (a subscriber to kv.* must only ever see KvEvents).
+KV_RESYNC_SUBJECT = f"{SUBJECT_PREFIX}.kvresync"  # KvResync requests
+SHARED_KV_SUBJECT = f"{SUBJECT_PREFIX}.kvshared"  # SharedKvEvents of the KV store
 
 
 class EventBus:

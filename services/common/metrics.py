@@ -41,6 +41,24 @@ PREFIX_CACHE_HIT = Gauge(
     "Prompt tokens served from the prefix cache / prompt tokens",
     ["worker"],
 )
+PREFIX_HIT_TOKENS = Gauge(
+    "yinian:prefix_cache_hit_tokens",
+    "Prompt tokens served from cache so far, by the tier they came from",
+    ["worker", "tier"],
+)
+PREFIX_QUERIED_TOKENS = Gauge(
+    "yinian:prefix_cache_queried_tokens", "Prompt tokens looked up in the cache so far", ["worker"]
+)
+KV_FRAGMENTATION = Gauge(
+    "yinian:kv_fragmentation_ratio",
+    "Allocated but unused token slots over allocated slots, in the device KV cache",
+    ["worker"],
+)
+HOST_KV_BYTES = Gauge(
+    "yinian:host_kv_bytes",
+    "Bytes moved between device and host tier so far",
+    ["worker", "direction"],
+)
 WORKER_REQUESTS = Counter("yinian:worker_requests", "Requests a worker has taken", ["worker"])
 NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"])
 
@@ -65,6 +83,27 @@ KV_HANDOFF_FALLBACKS = Counter(
     "yinian:kv_handoff_fallbacks", "Handoffs that failed and were prefilled locally", ["worker"]
 )
 
+# The shared KV tier as workers use it
+KV_SHARED_FETCHED_TOKENS = Counter(
+    "yinian:kv_shared_fetched_tokens", "Prompt tokens fetched from the shared tier", ["worker"]
+)
+KV_SHARED_BYTES = Counter(
+    "yinian:kv_shared_bytes", "KV bytes moved to and from the shared tier", ["worker", "direction"]
+)
+KV_SHARED_FETCH_SECONDS = Histogram(
+    "yinian:kv_shared_fetch_seconds",
+    "Lookup and fetch of a prompt's blocks from the shared tier",
+    buckets=_LATENCY_BUCKETS,
+)
+KV_SHARED_REJECTED = Counter(
+    "yinian:kv_shared_rejected_blocks",
+    "Shared-tier blocks that failed a worker's check and were recomputed",
+    ["worker"],
+)
+KV_SHARED_WRITTEN_BLOCKS = Counter(
+    "yinian:kv_shared_written_blocks", "Blocks written through to the shared tier", ["worker"]
+)
+
 # Request-side (gateway)
 TTFT = Histogram(
     "yinian:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS
@@ -86,6 +125,53 @@ MIGRATIONS = Counter(
 # Scheduler
 PLACEMENTS = Counter("yinian:placements_total", "Placement decisions", ["outcome"])
 READY_WORKERS = Gauge("yinian:ready_workers", "Workers ready for placement", ["role"])
+
+# KV store (services/kvstore): the shared tier and the global index
+_REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+KVSTORE_LOOKUP_BLOCKS = Counter(
+    "yinian:kvstore_lookup_blocks",
+    "Blocks Lookup asked of the shared tier: hit (in its prefix) or miss",
+    ["tenant", "result"],
+)
+KVSTORE_GET_BLOCKS = Counter(
+    "yinian:kvstore_get_blocks",
+    "Blocks Get was asked for: hit (served) or miss (missing or failed verification)",
+    ["tenant", "result"],
+)
+KVSTORE_BYTES = Counter(
+    "yinian:kvstore_bytes", "Block bytes into (put) and out of (get) the shared tier", ["direction"]
+)
+KVSTORE_EVICTIONS = Counter(
+    "yinian:kvstore_evictions", "Blocks evicted from the shared tier", ["tenant", "reason"]
+)
+KVSTORE_VERIFICATION_FAILURES = Counter(
+    "yinian:kvstore_verification_failures",
+    "Stored blocks that failed verification when read (dropped, never returned)",
+    ["tenant", "reason"],
+)
+KVSTORE_REJECTED_PUTS = Counter(
+    "yinian:kvstore_rejected_puts", "Blocks Put did not store", ["tenant", "reason"]
+)
+KVSTORE_TENANT_BYTES = Gauge(
+    "yinian:kvstore_tenant_bytes", "Bytes a tenant holds in the shared tier", ["tenant"]
+)
+KVSTORE_TENANT_QUOTA = Gauge(
+    "yinian:kvstore_tenant_quota_bytes", "A tenant's quota in the shared tier", ["tenant"]
+)
+KVSTORE_REDIS_SECONDS = Histogram(
+    "yinian:kvstore_redis_seconds",
+    "Shared-tier round trips to Redis",
+    ["op"],
+    buckets=_REDIS_BUCKETS,
+)
+KVSTORE_REDIS_ERRORS = Counter(
+    "yinian:kvstore_redis_errors",
+    "Shared-tier calls failed: Redis down, unreachable or slow",
+    ["op"],
+)
+KVSTORE_INDEX_BLOCKS = Gauge(
+    "yinian:kvstore_index_blocks", "Blocks in the global index, per worker tier", ["tier"]
+)
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:

@@ -12,6 +12,7 @@ from basis.flags import not_a_flag, parse_config, setting
 from engine.cli_args import add_engine_args, engine_options
 
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
+WRITE_THROUGH = ("none", "prefix", "all")
 
 
 @dataclass(slots=True)
@@ -32,12 +33,21 @@ class WorkerSettings:
         "KV transports this worker speaks, comma-separated: tcp, cuda_ipc, nccl "
         "(default: tcp, plus cuda_ipc on CUDA)",
     )
+    kvstore: str = setting("", "the KV store's gRPC address (empty: no shared tier)")
+    kv_write_through: str = setting(
+        "prefix",
+        "what goes to the shared tier after a request: none, prefix (the prompt's full "
+        "blocks) or all (also the generated tokens' blocks)",
+        choices=WRITE_THROUGH,
+    )
     engine_options: dict = not_a_flag(dict)
 
     def __post_init__(self) -> None:
         for name in self.kv_transports or ():
             if name not in KV_TRANSPORTS:
                 raise ValueError(f"unknown KV transport {name!r}; known: {KV_TRANSPORTS}")
+        if self.kv_write_through not in WRITE_THROUGH:
+            raise ValueError(f"kv_write_through must be one of {WRITE_THROUGH}")
         if self.load_interval <= 0:
             raise ValueError("load_interval must be > 0")
         if not self.worker_id:

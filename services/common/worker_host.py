@@ -12,22 +12,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 
 from engine import AsyncLLM
 from proto.yinian.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from services.common import metrics
-from services.common.bus import EventBus, kv_subject, load_subject
+from services.common.bus import KV_RESYNC_SUBJECT, EventBus, kv_subject, load_subject
 from services.common.grpc_server import GrpcServer
+from services.common.kvstore_client import KvStoreClient, fingerprint
+from services.common.shared_kv import SharedKv
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerSettings
 from services.common.worker_reports import WorkerReports
 from services.common.worker_servicer import WorkerServicer, load_report
 
 logger = logging.getLogger(__name__)
+
+
+def model_fingerprint(model: str, engine: AsyncLLM):
+    """What a stored block must have been made by: this model (its folder's name and
+    config), dtype and block layout."""
+    path = Path(model)
+    config = path / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else ""
+    cache = engine.kv_caches[0]
+    return fingerprint(
+        f"{path.name}-{digest}",
+        str(cache.dtype).removeprefix("torch."),
+        engine.block_size,
+        "x".join(map(str, cache.shape[1:])),
+        engine.num_layers,
+    )
 
 
 class WorkerHost:
@@ -52,12 +72,18 @@ class WorkerHost:
             device=str(self.engine.device),
         )
         self.reports = WorkerReports(self.engine, config.worker_id)
+        self.shared: SharedKv | None = None
+        self._closers: list = []
+        if config.kvstore:
+            client = KvStoreClient(config.kvstore, model_fingerprint(config.model, self.engine))
+            self.shared = SharedKv(self.engine, client, config.worker_id, config.kv_write_through)
+            self.on_close(client.close)
+            self.on_close(self.shared.drain)
         self.serve(
             worker_pb2_grpc.add_WorkerServicer_to_server,
             WorkerServicer(self.info, self.reports),
             "yinian.v1.Worker",
         )
-        self._closers: list = []
 
     @property
     def endpoint(self) -> dict:
@@ -139,14 +165,35 @@ class WorkerHost:
             metrics.KV_CACHE_USAGE.labels(**labels).set(load["kv_cache_usage"])
             metrics.PREFIX_CACHE_HIT.labels(**labels).set(load["prefix_cache_hit_rate"])
             metrics.NUM_PREEMPTIONS.labels(**labels).set(load["num_preemptions"])
+            cache = self.reports.cache_stats()
+            metrics.PREFIX_QUERIED_TOKENS.labels(**labels).set(cache["queried_tokens"])
+            for tier, tokens in cache["hit_tokens"].items():
+                metrics.PREFIX_HIT_TOKENS.labels(tier=tier, **labels).set(tokens)
+            metrics.KV_FRAGMENTATION.labels(**labels).set(cache["fragmentation"])
+            metrics.HOST_KV_BYTES.labels(direction="to_host", **labels).set(cache["bytes_to_host"])
+            metrics.HOST_KV_BYTES.labels(direction="to_device", **labels).set(
+                cache["bytes_to_device"]
+            )
             await bus.publish(load_subject(self.config.worker_id), load_report(load))
             await asyncio.sleep(self.config.load_interval)
 
     async def _report_kv_events(self, bus: EventBus, interval: float = 0.02) -> None:
         """KV events go out as soon as they exist, so placement learns of new
-        prefixes within a step or two."""
+        prefixes within a step or two; a resync request is answered with a
+        snapshot, in the same numbered stream."""
+        resync = asyncio.Event()
+
+        def on_resync(request: common_pb2.KvResync, headers) -> None:
+            if request.worker_id in ("", self.config.worker_id):
+                resync.set()
+
+        await bus.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync, on_resync)
         while True:
-            batch = self.reports.kv_events()
+            if resync.is_set():
+                resync.clear()
+                batch = await self.reports.snapshot()
+            else:
+                batch = self.reports.kv_events()
             if batch is not None:
                 await bus.publish(
                     kv_subject(self.config.worker_id),
@@ -155,6 +202,8 @@ class WorkerHost:
                         event_id=batch.event_id,
                         stored=batch.stored,
                         removed=batch.removed,
+                        host_stored=batch.host_stored,
+                        host_removed=batch.host_removed,
                         reset=batch.reset,
                     ),
                 )

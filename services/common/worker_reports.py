@@ -15,7 +15,9 @@ class KvEventBatch:
     event_id: int
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
-    reset: bool = False  # the first batch of this worker's life: forget what you knew
+    host_stored: list[int] = field(default_factory=list)
+    host_removed: list[int] = field(default_factory=list)
+    reset: bool = False  # a full snapshot: forget what you knew of this worker
 
 
 class WorkerReports:
@@ -38,11 +40,36 @@ class WorkerReports:
             "timestamp": time.time(),
         }
 
+    def cache_stats(self) -> dict:
+        """Where prompt tokens came from (tokens, so far), and how full blocks are."""
+        stats = self.engine.get_stats()
+        host = stats["prefix_cache_host_hit_tokens"]
+        return {
+            "queried_tokens": stats["prefix_cache_queried_tokens"],
+            "hit_tokens": {"gpu": stats["prefix_cache_hit_tokens"] - host, "host": host},
+            "fragmentation": stats["kv_fragmentation"],
+            "bytes_to_host": stats["host_kv_bytes_to_host"],
+            "bytes_to_device": stats["host_kv_bytes_to_device"],
+        }
+
     def kv_events(self) -> KvEventBatch | None:
         """The next numbered batch of KV events; the first one says `reset`."""
         events = self.engine.drain_kv_events()
         first = self._event_id == 0
-        if not (events.stored or events.removed or first):
+        if not (events or first):
             return None
         self._event_id += 1
-        return KvEventBatch(self._event_id, events.stored, events.removed, reset=first)
+        return KvEventBatch(
+            self._event_id,
+            events.stored,
+            events.removed,
+            events.host_stored,
+            events.host_removed,
+            reset=first,
+        )
+
+    async def snapshot(self) -> KvEventBatch:
+        """A numbered reset batch listing everything held now (the answer to a resync)."""
+        device, host = await self.engine.kv_snapshot()
+        self._event_id += 1
+        return KvEventBatch(self._event_id, device, host_stored=host, reset=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engine import AsyncLLM, SamplingParams
 from engine.outputs import RequestOutput
+from services.common.shared_kv import SharedKv
 from services.decode.remote_prefill import HandoffTiming, RemotePrefill
 
 
@@ -42,10 +43,17 @@ class RequestTiming:
 
 
 class DecodeCore:
-    def __init__(self, engine: AsyncLLM, worker_id: str, remote: RemotePrefill | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        worker_id: str,
+        remote: RemotePrefill | None = None,
+        shared: SharedKv | None = None,
+    ):
         self.engine = engine
         self.worker_id = worker_id
         self.remote = remote  # decode role: KV handoffs from prefill workers
+        self.shared = shared  # the shared KV tier, when the mesh has a KV store
 
     async def generate(
         self,
@@ -54,6 +62,7 @@ class DecodeCore:
         params: SamplingParams,
         *,
         tenant: str = "",
+        public_tokens: int = 0,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
         timing: RequestTiming | None = None,
@@ -73,8 +82,10 @@ class DecodeCore:
                     min_tokens=max(0, params.min_tokens - len(resume)),
                 )
         full_prompt = prompt_ids + resume
+        self.engine.validate(full_prompt, params)
+        if self.shared is not None:  # blocks the shared tier has and this worker lacks
+            await self.shared.prefetch(full_prompt, tenant, public_tokens)
         if prefill_address and self.remote is not None and params.n == 1:
-            self.engine.validate(full_prompt, params)
             outputs = self.engine.open_stream(request_id)
             try:
                 handoff = await self.remote.run(
@@ -83,6 +94,7 @@ class DecodeCore:
                     params,
                     prefill_address,
                     tenant=tenant,
+                    public_tokens=public_tokens,
                     priority=priority,
                 )
             except BaseException:
@@ -92,11 +104,24 @@ class DecodeCore:
                 timing.handoff = handoff
         else:
             outputs = self.engine.generate(
-                full_prompt, params, request_id, priority=priority, namespace=tenant, delta=True
+                full_prompt,
+                params,
+                request_id,
+                priority=priority,
+                namespace=tenant,
+                public_tokens=public_tokens,
+                delta=True,
             )
+        generated: dict[int, list[int]] = {}
         async for out in outputs:
             if timing is not None:
                 _record(timing, out)
+            for completion in out.outputs:
+                generated.setdefault(completion.index, []).extend(completion.token_ids)
+            if out.finished and self.shared is not None and not out.error:
+                # now, not after the last delta: a caller may stop reading once it has it
+                for tokens in generated.values():
+                    self.shared.write_through(full_prompt, tokens, tenant, public_tokens)
             for completion in out.outputs:
                 if not completion.token_ids and completion.finish_reason is None:
                     continue

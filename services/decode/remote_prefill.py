@@ -86,6 +86,7 @@ class RemotePrefill:
         prefill_address: str,
         *,
         tenant: str = "",
+        public_tokens: int = 0,
         priority: int = 0,
     ) -> HandoffTiming:
         """Adds the request to the engine, with its prompt KV from `prefill_address`
@@ -94,12 +95,17 @@ class RemotePrefill:
         timing = HandoffTiming()
         start = time.monotonic()
         reservation = await self.engine.reserve_remote(
-            request_id, prompt_ids, params, priority=priority, namespace=tenant
+            request_id,
+            prompt_ids,
+            params,
+            priority=priority,
+            namespace=tenant,
+            public_tokens=public_tokens,
         )
         timing.queue_seconds = time.monotonic() - start
         if reservation is None:
             timing.fell_back = "no free blocks to reserve"
-            await self._local(request_id, prompt_ids, params, tenant, priority)
+            await self._local(request_id, prompt_ids, params, tenant, public_tokens, priority)
             return timing
         timing.skipped_blocks = reservation.skip_blocks
         # Each attempt gets its own id on the wire: a retried or migrated request must
@@ -119,6 +125,7 @@ class RemotePrefill:
                 prompt_ids=prompt_ids,
                 params=params,
                 tenant=tenant,
+                public_tokens=public_tokens,
                 priority=priority,
                 skip_blocks=reservation.skip_blocks,
                 dst_block_ids=reservation.dst_block_ids,
@@ -141,7 +148,7 @@ class RemotePrefill:
             )
             await self.engine.cancel_remote(request_id)
             timing.fell_back = str(exc)
-            await self._local(request_id, prompt_ids, params, tenant, priority)
+            await self._local(request_id, prompt_ids, params, tenant, public_tokens, priority)
             return timing
         timing.prefill_seconds = result.prefill_seconds
         timing.transfer_seconds = max(0.0, time.monotonic() - asked - result.prefill_seconds)
@@ -159,9 +166,14 @@ class RemotePrefill:
         )
         return timing
 
-    async def _local(self, request_id, prompt_ids, params, tenant, priority) -> None:
+    async def _local(self, request_id, prompt_ids, params, tenant, public_tokens, priority):
         await self.engine.add_request(
-            request_id, prompt_ids, params, priority=priority, namespace=tenant
+            request_id,
+            prompt_ids,
+            params,
+            priority=priority,
+            namespace=tenant,
+            public_tokens=public_tokens,
         )
 
     async def close(self) -> None:

@@ -39,24 +39,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         params = params_from_proto(request.params)
         trace = GenerateTrace(self.core.worker_id, request, params, context_from_grpc(context))
         finish = None
+        deltas = self.core.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            tenant=request.tenant,
+            public_tokens=request.public_tokens,
+            priority=request.priority,
+            resume_token_ids=list(request.resume_token_ids),
+            timing=trace.timing,
+            prefill_address=request.prefill_address,
+        )
         try:
-            with trace.active():
-                async for delta in self.core.generate(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    params,
-                    tenant=request.tenant,
-                    priority=request.priority,
-                    resume_token_ids=list(request.resume_token_ids),
-                    timing=trace.timing,
-                    prefill_address=request.prefill_address,
-                ):
-                    finish = delta.finish_reason or finish
-                    chunk = delta_to_chunk(request.request_id, delta)
-                    if delta.finish_reason is not None:
-                        chunk.timings.CopyFrom(trace.stage_timings())
-                    yield chunk
+            while True:
+                try:
+                    delta = await trace.next(deltas)
+                except StopAsyncIteration:
+                    break
+                finish = delta.finish_reason or finish
+                chunk = delta_to_chunk(request.request_id, delta)
+                if delta.finish_reason is not None:
+                    chunk.timings.CopyFrom(trace.stage_timings())
+                yield chunk
         finally:
+            await deltas.aclose()  # a caller that left aborts the request
             trace.end(finish)
 
     async def Abort(self, request, context):

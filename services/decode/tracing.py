@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from basis.sampling_params import SamplingParams
@@ -43,8 +44,16 @@ class GenerateTrace:
         )
         metrics.WORKER_REQUESTS.labels(worker=worker_id).inc()
 
-    def active(self):
-        return trace.use_span(self.span, end_on_exit=False)
+    async def next(self, stream):
+        """The stream's next item, with this call's span current while it is made
+        (downstream calls join the trace); StopAsyncIteration at the end. The span
+        is never current while the caller is suspended, so a caller that goes away
+        mid-stream closes it cleanly."""
+        token = otel_context.attach(trace.set_span_in_context(self.span))
+        try:
+            return await anext(stream)
+        finally:
+            otel_context.detach(token)
 
     def stage_timings(self) -> worker_pb2.StageTimings:
         return timings_proto(self.timing)

@@ -47,7 +47,13 @@ async def run(config: GatewayConfig) -> None:
     check_listen_address(config.host, auth, config.allow_unauthenticated)
     scheduler = SchedulerClient(config.scheduler)
     workers = WorkerPool()
-    core = GatewayCore(config.served_model_name, config.model, None, config.max_model_len)
+    core = GatewayCore(
+        config.served_model_name,
+        config.model,
+        None,
+        config.max_model_len,
+        config.public_prefixes,
+    )
     core.frontend = Frontend(
         core.tokenizer,
         scheduler,

@@ -25,6 +25,11 @@ class GatewayConfig:
     allow_unauthenticated: bool = setting(
         False, "serve without API keys on a non-loopback address", env=""
     )
+    public_prefixes: str | None = setting(
+        None,
+        "JSON file of prefixes shared by every tenant's cache (system prompts): texts, "
+        "{messages} or {token_ids}",
+    )
     max_model_len: int | None = setting(
         None, "context length served (default: the model's max_position_embeddings)"
     )

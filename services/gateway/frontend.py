@@ -38,6 +38,7 @@ class Prepared:
     params: SamplingParams
     tenant: str = ""
     priority: int = 0
+    public_tokens: int = 0  # leading tokens of an operator's public prefix
 
 
 @dataclass(slots=True)
@@ -111,7 +112,9 @@ class Frontend:
         stats.prompt_tokens = len(prep.prompt_ids)
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
         worker_params = params_to_proto(params.clone(stop=[], include_stop_str_in_output=False))
-        hashes = hash_prompt_blocks(prep.prompt_ids, self.block_size, prep.tenant)
+        hashes = hash_prompt_blocks(
+            prep.prompt_ids, self.block_size, prep.tenant, prep.public_tokens
+        )
         excluded: list[str] = []
         failures_before_output = 0
         while True:
@@ -129,6 +132,7 @@ class Frontend:
                 prompt_token_ids=prep.prompt_ids,
                 params=worker_params,
                 tenant=prep.tenant,
+                public_tokens=prep.public_tokens,
                 priority=prep.priority,
                 resume_token_ids=choices[0].token_ids if stats.migrations else [],
                 prefill_worker_id=placement.prefill_worker_id,

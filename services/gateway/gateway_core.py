@@ -16,6 +16,7 @@ from services.common import metrics
 from services.common.errors import InvalidRequest, NotFound
 from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
 from services.gateway.protocol import check_context
+from services.gateway.public_prefixes import load_public_prefixes, public_tokens
 
 
 @dataclass(slots=True)
@@ -30,13 +31,21 @@ class ChoiceResult:
 
 class GatewayCore:
     def __init__(
-        self, model_name: str, model_dir: str, frontend: Frontend, max_model_len: int | None = None
+        self,
+        model_name: str,
+        model_dir: str,
+        frontend: Frontend,
+        max_model_len: int | None = None,
+        public_prefixes: str | None = None,
     ):
         self.model_name = model_name
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = self.model_config.context_length(max_model_len)
         self.frontend = frontend
+        self.public_prefixes = load_public_prefixes(
+            public_prefixes, self.tokenizer, self.model_config.check_token_ids
+        )
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -79,7 +88,14 @@ class GatewayCore:
         params: SamplingParams = make_params(max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none")
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, tenant, priority)
+        return Prepared(
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompt_ids,
+            params,
+            tenant,
+            priority,
+            public_tokens(prompt_ids, self.public_prefixes),
+        )
 
     async def events(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
         """Runs the request, recording TTFT, ITL, E2E and token counters."""

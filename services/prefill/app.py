@@ -16,7 +16,7 @@ async def run(config: PrefillConfig) -> None:
     host = WorkerHost(config, "yinian-prefill")
     senders = SenderSet(host.engine.device, asyncio.get_running_loop())
     host.on_close(senders.close)
-    core = PrefillCore(host.engine, senders.get)
+    core = PrefillCore(host.engine, senders.get, host.shared)
     host.serve(
         worker_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(core), "yinian.v1.Prefill"
     )

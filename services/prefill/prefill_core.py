@@ -13,6 +13,7 @@ from engine.disaggregation import Handoff
 from services.common.handoff import PrefillResult
 from services.common.kv_transport.base import KvSender, LayerPlan, TransferError
 from services.common.kv_transport.registry import make_sender
+from services.common.shared_kv import SharedKv
 
 
 class TransportHandoff(Handoff):
@@ -75,9 +76,15 @@ class SenderSet:
 
 
 class PrefillCore:
-    def __init__(self, engine: AsyncLLM, sender_for: Callable[[str], KvSender]):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        sender_for: Callable[[str], KvSender],
+        shared: SharedKv | None = None,
+    ):
         self.engine = engine
         self.sender_for = sender_for  # transport name -> its sender
+        self.shared = shared  # the shared KV tier, when the mesh has a KV store
         self.num_layers = engine.num_layers
 
     async def prefill(
@@ -90,6 +97,7 @@ class PrefillCore:
         dst_block_ids: list[int],
         skip_blocks: int,
         tenant: str = "",
+        public_tokens: int = 0,
         priority: int = 0,
         lease_seconds: float = 30.0,
         timeout: float = 120.0,
@@ -97,6 +105,9 @@ class PrefillCore:
         """Computes the prompt, sends blocks skip_blocks.. to `dst_block_ids`, and
         returns the first token once every block has landed."""
         sender = self.sender_for(transport)
+        if self.shared is not None:
+            self.engine.validate(prompt_ids, params)
+            await self.shared.prefetch(prompt_ids, tenant, public_tokens)
         handoff = TransportHandoff(
             sender, target, request_id, dst_block_ids, skip_blocks, self.num_layers
         )
@@ -111,6 +122,7 @@ class PrefillCore:
                 first_params,
                 priority=priority,
                 namespace=tenant,
+                public_tokens=public_tokens,
                 handoff=handoff,
                 hold_seconds=lease_seconds,
             )
@@ -136,6 +148,8 @@ class PrefillCore:
             raise
         completion = final.outputs[0]
         token = completion.token_ids[0]
+        if self.shared is not None:
+            self.shared.write_through(prompt_ids, [], tenant, public_tokens)
         logprob, top = 0.0, []
         if completion.logprobs:
             entry = completion.logprobs[0]

@@ -26,6 +26,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 list(request.dst_block_ids),
                 request.skip_blocks,
                 tenant=request.tenant,
+                public_tokens=request.public_tokens,
                 priority=request.priority,
                 lease_seconds=request.lease_seconds or 30.0,
             )

@@ -11,11 +11,17 @@ import signal
 
 from proto.yinian.v1 import common_pb2, scheduler_pb2_grpc
 from services.common import metrics
-from services.common.bus import EventBus, kv_subject, load_subject
+from services.common.bus import (
+    KV_RESYNC_SUBJECT,
+    SHARED_KV_SUBJECT,
+    EventBus,
+    kv_subject,
+    load_subject,
+)
 from services.common.grpc_server import GrpcServer
+from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import PlacementPolicy
 from services.scheduler.registry import Registry
 from services.scheduler.servicer import SchedulerServicer
@@ -25,10 +31,11 @@ ROLES = ("colocated", "prefill", "decode")
 
 
 class EventHandlers:
-    """What the scheduler does with the workers' NATS events."""
+    """What the scheduler does with the NATS events: load reports (heartbeats),
+    workers' KV events and the shared tier's (a gap asks that worker to resync)."""
 
-    def __init__(self, registry: Registry, index: KvIndex):
-        self.registry, self.index = registry, index
+    def __init__(self, registry: Registry, index: KvIndex, bus: EventBus):
+        self.registry, self.index, self.bus = registry, index, bus
 
     def on_load(self, report: common_pb2.LoadReport, headers) -> None:
         self.registry.on_load(
@@ -38,10 +45,27 @@ class EventHandlers:
             report.kv_cache_usage,
         )
 
-    def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
-        if events.worker_id in self.registry.workers:
-            self.index.apply(
-                events.worker_id, events.event_id, events.stored, events.removed, events.reset
+    async def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
+        if events.worker_id not in self.registry.workers:
+            return
+        in_order = self.index.apply(
+            events.worker_id,
+            events.event_id,
+            {GPU: (events.stored, events.removed), HOST: (events.host_stored, events.host_removed)},
+            events.reset,
+        )
+        if not in_order:
+            await self.bus.publish(
+                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=events.worker_id, reason="gap")
+            )
+
+    async def on_shared(self, events: common_pb2.SharedKvEvents, headers) -> None:
+        in_order = self.index.apply(
+            SHARED_HOLDER, events.event_id, {SHARED: (events.stored, events.removed)}, events.reset
+        )
+        if not in_order:  # the KV store answers with a reset batch of the shared tier
+            await self.bus.publish(
+                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="gap")
             )
 
 
@@ -52,7 +76,12 @@ async def run(config: SchedulerConfig) -> None:
     servicer = SchedulerServicer(
         registry,
         index,
-        PlacementPolicy(max_waiting=config.max_waiting, disagg_min_tokens=config.disagg_min_tokens),
+        PlacementPolicy(
+            max_waiting=config.max_waiting,
+            host_hit_weight=config.host_hit_weight,
+            shared_hit_weight=config.shared_hit_weight,
+            disagg_min_tokens=config.disagg_min_tokens,
+        ),
         heartbeat_interval=config.heartbeat_timeout / 4,
     )
     server = GrpcServer(config.host, config.port)
@@ -63,9 +92,10 @@ async def run(config: SchedulerConfig) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, "scheduler")
     await bus.connect()
-    handlers = EventHandlers(registry, index)
+    handlers = EventHandlers(registry, index, bus)
     await bus.subscribe(load_subject(), common_pb2.LoadReport, handlers.on_load)
     await bus.subscribe(kv_subject(), common_pb2.KvEvents, handlers.on_kv)
+    await bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, handlers.on_shared)
     await server.serving(True)
     print(f"READY scheduler {config.host}:{server.port}", flush=True)
 

@@ -27,11 +27,21 @@ class SchedulerConfig:
         "instead of a prefill worker",
     )
 
+    host_hit_weight: float = setting(
+        0.1, "cost of a prompt token found in a worker's host tier, as a fraction of computing it"
+    )
+    shared_hit_weight: float = setting(
+        0.3, "cost of a prompt token found in the shared tier, as a fraction of computing it"
+    )
+
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= 0:
             raise ValueError("heartbeat_timeout must be > 0")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        for name in ("host_hit_weight", "shared_hit_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
         if self.disagg_min_tokens < 0:
             raise ValueError("disagg_min_tokens must be >= 0")
 

@@ -1,6 +1,8 @@
-"""Placement: the ready worker that is least loaded, preferring one that
-already holds the prompt's prefix; when every worker is saturated, say so
-(the gateway answers 429 with Retry-After) instead of queueing without bound.
+"""Placement: the ready worker whose cost is lowest — the prompt tokens it would
+have to compute (a prefix in its GPU tier is free, one in its host tier or in
+the shared tier costs a fraction of recomputing: loading it) plus its load —
+ties going to the least loaded; when every worker is saturated, say so (the
+gateway answers 429 with Retry-After) instead of queueing without bound.
 
 Disaggregation is conditional: a request placed on a decode-role worker gets
 a prefill worker too only when the part of its prompt the decode worker does
@@ -13,14 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import Saturated, WorkerUnavailable
-from services.scheduler.kv_index import KvIndex
+from services.common.kv_index import HOST, SHARED, KvIndex
 from services.scheduler.registry import Registry, WorkerState
 
 
 @dataclass(slots=True)
 class PlacementPolicy:
     max_waiting: int | None = None  # per worker beyond max_num_seqs; None: max_num_seqs
-    prefix_weight: float = 1.0  # value of one cached prompt token against one queued request
+    # Prompt tokens to compute that weigh as much as a full worker (load / capacity = 1).
+    tokens_per_load: float = 256.0
+    # What loading a cached token costs, as a fraction of computing it.
+    host_hit_weight: float = 0.1
+    shared_hit_weight: float = 0.3
     retry_after: float = 1.0
     disagg_min_tokens: int = 512
 
@@ -36,17 +42,32 @@ class Decision:
     prefill: WorkerState | None = None
 
 
-def _best(
-    workers: list[WorkerState], index: KvIndex, policy: PlacementPolicy, block_hashes
-) -> WorkerState:
-    def score(w: WorkerState) -> tuple[float, float]:
-        hit_tokens = index.matched_blocks(w.worker_id, block_hashes) * w.block_size
-        # A queued request costs about as much as recomputing ~a few blocks;
-        # normalise load by capacity so workers of different sizes compare.
-        load = w.load / policy.capacity(w)
-        return (policy.prefix_weight * hit_tokens / 256.0 - load - 0.25 * w.kv_usage, -w.load)
+def prompt_cost(
+    w: WorkerState, index: KvIndex, policy: PlacementPolicy, block_hashes, prompt_tokens: int
+) -> float:
+    """The prompt's work on `w`, in recomputed-token equivalents."""
+    tiers = index.prefix_by_tier(w.worker_id, block_hashes)
+    cached = len(tiers) * w.block_size
+    loaded = w.block_size * (
+        tiers.count(HOST) * policy.host_hit_weight + tiers.count(SHARED) * policy.shared_hit_weight
+    )
+    return max(prompt_tokens - cached, 0) + loaded
 
-    return max(workers, key=score)
+
+def _best(
+    workers: list[WorkerState],
+    index: KvIndex,
+    policy: PlacementPolicy,
+    block_hashes,
+    prompt_tokens: int,
+) -> WorkerState:
+    def cost(w: WorkerState) -> tuple[float, int]:
+        work = prompt_cost(w, index, policy, block_hashes, prompt_tokens)
+        # load normalised by capacity, so workers of different sizes compare
+        load = w.load / policy.capacity(w) + 0.25 * w.kv_usage
+        return (work / policy.tokens_per_load + load, w.load)
+
+    return min(workers, key=cost)
 
 
 def place(
@@ -64,9 +85,11 @@ def place(
     open_ = [w for w in candidates if w.load < policy.capacity(w)]
     if not open_:
         raise Saturated("every worker is at capacity", retry_after=policy.retry_after)
-    best = _best(open_, index, policy, block_hashes)
+    prompt_tokens = max(prompt_tokens, len(block_hashes) * max(w.block_size for w in open_))
+    best = _best(open_, index, policy, block_hashes, prompt_tokens)
     best.pending += 1
-    decision = Decision(best, index.matched_blocks(best.worker_id, block_hashes))
+    # what the worker has itself or can load: only the rest needs a prefill
+    decision = Decision(best, len(index.prefix_by_tier(best.worker_id, block_hashes)))
     uncached = prompt_tokens - decision.matched_blocks * best.block_size
     if best.role == "decode" and uncached >= policy.disagg_min_tokens:
         prefills = [
@@ -75,6 +98,6 @@ def place(
             if w.worker_id not in exclude and w.load < policy.capacity(w)
         ]
         if prefills:
-            decision.prefill = _best(prefills, index, policy, block_hashes)
+            decision.prefill = _best(prefills, index, policy, block_hashes, prompt_tokens)
             decision.prefill.pending += 1
     return decision

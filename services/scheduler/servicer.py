@@ -8,8 +8,8 @@ from opentelemetry import trace
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import metrics
+from services.common.kv_index import KvIndex
 from services.common.telemetry import context_from_grpc, tracer
-from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import PlacementPolicy, place
 from services.scheduler.registry import Registry, WorkerState
 

@@ -109,15 +109,39 @@ class LoadReport(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class KvEvents(_message.Message):
-    __slots__ = ("worker_id", "event_id", "stored", "removed", "reset")
+    __slots__ = ("worker_id", "event_id", "stored", "removed", "reset", "host_stored", "host_removed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_REMOVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     event_id: int
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
-    def __init__(self, worker_id: _Optional[str] = ..., event_id: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    host_stored: _containers.RepeatedScalarFieldContainer[int]
+    host_removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., event_id: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., host_stored: _Optional[_Iterable[int]] = ..., host_removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvResync(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SharedKvEvents(_message.Message):
+    __slots__ = ("event_id", "stored", "removed", "reset")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    event_id: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    reset: bool
+    def __init__(self, event_id: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...

@@ -24,25 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/yinian/v1/kvstore.proto\x12\tyinian.v1\"5\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"3\n\rBlockLocation\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x0e\n\x06holder\x18\x02 \x01(\t\"=\n\x0eLookupResponse\x12+\n\tlocations\x18\x01 \x03(\x0b\x32\x18.yinian.v1.BlockLocation\"\x91\x01\n\tBlockData\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"2\n\nGetRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x32\xb5\x01\n\x07KvStore\x12=\n\x06Lookup\x12\x18.yinian.v1.LookupRequest\x1a\x19.yinian.v1.LookupResponse\x12\x35\n\x03Put\x12\x14.yinian.v1.BlockData\x1a\x16.yinian.v1.PutResponse(\x01\x12\x34\n\x03Get\x12\x15.yinian.v1.GetRequest\x1a\x14.yinian.v1.BlockData0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/yinian/v1/kvstore.proto\x12\tyinian.v1\"\x83\x01\n\x10ModelFingerprint\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x16\n\x0e\x66ormat_version\x18\x06 \x01(\r\">\n\x0b\x42lockHolder\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.yinian.v1.KvTier\"L\n\rBlockLocation\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\'\n\x07holders\x18\x02 \x03(\x0b\x32\x16.yinian.v1.BlockHolder\"g\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x30\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1b.yinian.v1.ModelFingerprint\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\"[\n\x0eLookupResponse\x12+\n\tlocations\x18\x01 \x03(\x0b\x32\x18.yinian.v1.BlockLocation\x12\x1c\n\x14shared_prefix_blocks\x18\x02 \x01(\r\"\x95\x01\n\x08PutBlock\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x30\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1b.yinian.v1.ModelFingerprint\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\"r\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\x12\x0f\n\x07reasons\x18\x04 \x03(\t\x12\x17\n\x0frejected_hashes\x18\x05 \x03(\x04\"d\n\nGetRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x30\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1b.yinian.v1.ModelFingerprint\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\"V\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\".\n\x0cStatsRequest\x12\x13\n\x06tenant\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_tenant\"\xab\x02\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\x12\x12\n\nhit_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmiss_blocks\x18\x06 \x01(\x04\x12\x12\n\nhit_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bmiss_tokens\x18\x08 \x01(\x04\x12\x12\n\nget_blocks\x18\t \x01(\x04\x12\x12\n\nget_misses\x18\n \x01(\x04\x12\x15\n\rstored_blocks\x18\x0b \x01(\x04\x12\x11\n\tevictions\x18\x0c \x01(\x04\x12\x1d\n\x15verification_failures\x18\r \x01(\x04\x12\x15\n\rrejected_puts\x18\x0e \x01(\x04\"\xcb\x02\n\rStatsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.yinian.v1.TenantStats\x12\x1b\n\x13shared_tier_enabled\x18\x02 \x01(\x08\x12\x10\n\x08redis_up\x18\x03 \x01(\x08\x12\x15\n\rshared_blocks\x18\x04 \x01(\x04\x12\x14\n\x0cshared_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x14\n\x0credis_errors\x18\x07 \x01(\x04\x12\x1d\n\x15redis_latency_mean_ms\x18\x08 \x01(\x01\x12\x1c\n\x14redis_latency_p99_ms\x18\t \x01(\x01\x12\x18\n\x10index_gpu_blocks\x18\n \x01(\x04\x12\x19\n\x11index_host_blocks\x18\x0b \x01(\x04\x12\x15\n\rindex_workers\x18\x0c \x01(\r*X\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x12\n\x0eKV_TIER_SHARED\x10\x03\x32\xf2\x01\n\x07KvStore\x12=\n\x06Lookup\x12\x18.yinian.v1.LookupRequest\x1a\x19.yinian.v1.LookupResponse\x12\x34\n\x03Put\x12\x13.yinian.v1.PutBlock\x1a\x16.yinian.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.yinian.v1.GetRequest\x1a\x16.yinian.v1.StoredBlock0\x01\x12:\n\x05Stats\x12\x17.yinian.v1.StatsRequest\x1a\x18.yinian.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.yinian.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOOKUPREQUEST']._serialized_start=44
-  _globals['_LOOKUPREQUEST']._serialized_end=97
-  _globals['_BLOCKLOCATION']._serialized_start=99
-  _globals['_BLOCKLOCATION']._serialized_end=150
-  _globals['_LOOKUPRESPONSE']._serialized_start=152
-  _globals['_LOOKUPRESPONSE']._serialized_end=213
-  _globals['_BLOCKDATA']._serialized_start=216
-  _globals['_BLOCKDATA']._serialized_end=361
-  _globals['_PUTRESPONSE']._serialized_start=363
-  _globals['_PUTRESPONSE']._serialized_end=392
-  _globals['_GETREQUEST']._serialized_start=394
-  _globals['_GETREQUEST']._serialized_end=444
-  _globals['_KVSTORE']._serialized_start=447
-  _globals['_KVSTORE']._serialized_end=628
+  _globals['_KVTIER']._serialized_start=1660
+  _globals['_KVTIER']._serialized_end=1748
+  _globals['_MODELFINGERPRINT']._serialized_start=45
+  _globals['_MODELFINGERPRINT']._serialized_end=176
+  _globals['_BLOCKHOLDER']._serialized_start=178
+  _globals['_BLOCKHOLDER']._serialized_end=240
+  _globals['_BLOCKLOCATION']._serialized_start=242
+  _globals['_BLOCKLOCATION']._serialized_end=318
+  _globals['_LOOKUPREQUEST']._serialized_start=320
+  _globals['_LOOKUPREQUEST']._serialized_end=423
+  _globals['_LOOKUPRESPONSE']._serialized_start=425
+  _globals['_LOOKUPRESPONSE']._serialized_end=516
+  _globals['_PUTBLOCK']._serialized_start=519
+  _globals['_PUTBLOCK']._serialized_end=668
+  _globals['_PUTRESPONSE']._serialized_start=670
+  _globals['_PUTRESPONSE']._serialized_end=784
+  _globals['_GETREQUEST']._serialized_start=786
+  _globals['_GETREQUEST']._serialized_end=886
+  _globals['_STOREDBLOCK']._serialized_start=888
+  _globals['_STOREDBLOCK']._serialized_end=974
+  _globals['_STATSREQUEST']._serialized_start=976
+  _globals['_STATSREQUEST']._serialized_end=1022
+  _globals['_TENANTSTATS']._serialized_start=1025
+  _globals['_TENANTSTATS']._serialized_end=1324
+  _globals['_STATSRESPONSE']._serialized_start=1327
+  _globals['_STATSRESPONSE']._serialized_end=1658
+  _globals['_KVSTORE']._serialized_start=1751
+  _globals['_KVSTORE']._serialized_end=1993
 # @@protoc_insertion_point(module_scope)

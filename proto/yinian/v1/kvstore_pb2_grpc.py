@@ -41,13 +41,18 @@ class KvStoreStub:
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/yinian.v1.KvStore/Put',
-                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.SerializeToString,
+                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutBlock.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/yinian.v1.KvStore/Get',
                 request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.FromString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StoredBlock.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/yinian.v1.KvStore/Stats',
+                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,19 +60,29 @@ class KvStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """Which of these block hashes the store (or a worker) holds, longest prefix first.
+        """For each leading block of a chain that some holder has, its holders;
+        grants a short read lease on the shared-tier blocks it reports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stores blocks in the shared tier; one message is one whole block (all layers).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
+        """The stored blocks, in order, stopping at the first one missing, failing
+        verification, or of another fingerprint: a caller uses what came.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,13 +98,18 @@ def add_KvStoreServicer_to_server(servicer, server):
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.FromString,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutBlock.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.SerializeToString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StoredBlock.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,7 +164,7 @@ class KvStore:
             request_iterator,
             target,
             '/yinian.v1.KvStore/Put',
-            proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutBlock.SerializeToString,
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
             options,
             channel_credentials,
@@ -172,7 +192,34 @@ class KvStore:
             target,
             '/yinian.v1.KvStore/Get',
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
-            proto_dot_yinian_dot_v1_dot_kvstore__pb2.BlockData.FromString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.StoredBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.KvStore/Stats',
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

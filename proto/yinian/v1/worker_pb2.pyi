@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "tenant", "priority", "resume_token_ids", "prefill_worker_id", "prefill_address")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "tenant", "priority", "resume_token_ids", "prefill_worker_id", "prefill_address", "public_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -26,7 +27,8 @@ class GenerateRequest(_message.Message):
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_worker_id: str
     prefill_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    public_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., public_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "error", "timings")
@@ -95,7 +97,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "tenant", "skip_blocks", "decode_worker_id", "transport", "transport_target", "lease_seconds", "params", "dst_block_ids", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "tenant", "skip_blocks", "decode_worker_id", "transport", "transport_target", "lease_seconds", "params", "dst_block_ids", "priority", "public_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class PrefillRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
@@ -118,7 +121,8 @@ class PrefillRequest(_message.Message):
     params: _common_pb2.SamplingParams
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_target: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
+    public_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_target: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., public_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("layers_sent", "num_blocks", "bytes", "transfer_seconds", "done", "lease_id", "error", "prefill_seconds", "first_token_id", "first_logprobs", "cached_tokens")

@@ -1,0 +1,156 @@
+"""Serving benchmarks on one GPU with the llama3-8b preset (bf16, dummy weights):
+
+1. a serve sweep through the gateway (`yinian bench serve`, request rates up to
+   saturation) with TTFT/TPOT p50/p99, and the highest rate at which TTFT p99
+   <= 200 ms and TPOT p99 <= 50 ms;
+2. engine offline throughput, 1000 prompts of 1024 random tokens generating 128
+   (vLLM's default `random` workload);
+3. Hugging Face transformers' continuous batching on the same prompts in the same
+   run (random weights of the same shapes: throughput does not depend on the
+   values), with the ratio.
+
+Usage: python -m bench.gpu.serving --out bench/results/serving.json
+           [--skip serve offline peer] [--rates 4,8,inf] [--peer-prompts N]
+Sections: ceilings, serve, offline, peer. The sweep's own files (per-rate JSON, plots)
+go to the folder named like the JSON without its suffix (bench/results/serving/). The
+peer is the slow part (several minutes for the 1000 prompts), so split the sections
+over calls when a call's time is short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from bench.gpu import ceilings
+from bench.gpu.models import preset_folder
+from bench.gpu.sections import Sections, script_parser
+from bench.loadgen.datasets import load_tokenizer, random_requests
+from bench.loadgen.engine_bench import run_engine, run_transformers
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+
+SWEEP_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
+              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+              "request_goodput")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    preset: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    rates: str
+    prompts_per_rate: int
+
+    def engine(self, device: str) -> dict:
+        return {"dtype": "bfloat16" if device == "cuda" else "float32", "device": device,
+                "load_format": "dummy", "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                "max_model_len": 4096}  # fmt: skip
+
+
+GPU = Workload("llama3-8b", 1000, 1024, 128, "4,8,16,24,32,inf", 160)
+DRY = Workload("tiny-llama", 4, 32, 8, "16,inf", 4)
+
+
+def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
+    from bench.loadgen.cli import run as bench_run
+
+    options = w.engine(device)
+    argv = ["--device", device, "--dtype", options["dtype"], "--load-format", "dummy",
+            "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
+    mesh = Mesh(MeshSpec(model=str(folder), workers=1, port=free_port(), engine_argv=argv))
+    mesh.start(timeout=600)
+    try:
+        start = time.monotonic()
+        rc = bench_run([
+            "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", w.preset,
+            "--dataset-name", "random", "--num-prompts", str(w.prompts_per_rate),
+            "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len),
+            "--prompt-format", "ids", "--request-rates", w.rates, "--goodput", "ttft:200",
+            "tpot:50", "--disable-tqdm", "--result-dir", str(out_dir),
+            "--result-filename", "sweep.json",
+        ])  # fmt: skip
+        seconds = time.monotonic() - start
+    finally:
+        mesh.stop()
+    sweep = json.loads((out_dir / "sweep-sweep.json").read_text())
+    rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in sweep["runs"]]
+    ok = [r for r in rows if r["failed"] == 0 and r["p99_ttft_ms"] is not None
+          and r["p99_ttft_ms"] <= 200 and r["p99_tpot_ms"] <= 50]  # fmt: skip
+    best = max((float(r["request_rate"]) for r in ok), default=None)
+    return {"rc": rc, "seconds": seconds, "sweep": rows, "max_rate_within_slo": best}
+
+
+def peer(w: Workload, folder, requests, device: str, ours: dict | None) -> dict:
+    """transformers on `requests`; the engine again on the same ones unless `ours` is
+    the engine's result on exactly these."""
+    result = {}
+    if ours is None:
+        ours = result["engine_on_peer_prompts"] = run_engine(str(folder), requests,
+                                                             w.engine(device))  # fmt: skip
+    theirs = run_transformers(
+        str(folder), [r.prompt for r in requests], [r.output_len for r in requests],
+        {"dtype": w.engine(device)["dtype"], "device": device}, {"random_weights": True},
+    )  # fmt: skip
+    if "error" in theirs:
+        raise RuntimeError(f"transformers: {theirs['error']}")
+    ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    return result | {"transformers": theirs, "ratio_output_tokens_per_s": ratio}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument("--num-prompts", type=int)
+    parser.add_argument("--rates")
+    parser.add_argument("--prompts-per-rate", type=int)
+    parser.add_argument("--peer-prompts", type=int, help="run the peer (and the engine again, "
+                        "for the ratio) on the first N prompts only")  # fmt: skip
+    args = parser.parse_args(argv)
+    w = GPU if args.device == "cuda" else DRY
+    w = dataclasses.replace(
+        w,
+        num_prompts=args.num_prompts or w.num_prompts,
+        rates=args.rates or w.rates,
+        prompts_per_rate=args.prompts_per_rate or w.prompts_per_rate,
+    )
+    with Sections(args, script="serving", preset=w.preset) as section:
+        device, out_dir = section.device, args.out.with_suffix("")
+        section("ceilings", lambda: ceilings.measure(device))
+        folder, _ = preset_folder(section.tmp, w.preset)
+        requests = random_requests(load_tokenizer(folder), w.num_prompts, w.input_len,
+                                   w.output_len, seed=0, prompt_format="ids")  # fmt: skip
+        section("serve", lambda: serve_sweep(w, folder, device, out_dir))
+        offline = section("offline", lambda: run_engine(str(folder), requests, w.engine(device)))
+        subset = requests[: args.peer_prompts or len(requests)]
+        ours = offline if len(subset) == len(requests) else None
+        section("peer", lambda: peer(w, folder, subset, device, ours))
+        print_table(section.results)
+        return section.results
+
+
+def print_table(results: dict) -> None:
+    e, p = results.get("offline") or {}, results.get("peer") or {}
+    if "output_tokens_per_s" in e:
+        print(f"engine offline: {e['output_tokens_per_s']:.0f} out tok/s, "
+              f"{e['total_tokens_per_s']:.0f} total tok/s")  # fmt: skip
+    if "transformers" in p:
+        print(f"transformers: {p['transformers']['output_tokens_per_s']:.0f} out tok/s; "
+              f"ratio {p['ratio_output_tokens_per_s']:.2f}")  # fmt: skip
+    print("| rate | done | fail | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    serve = results.get("serve") or {}
+    for r in serve.get("sweep", []):
+        print(f"| {r['request_rate']} | {r['completed']} | {r['failed']} | "
+              f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
+              f"{r['median_ttft_ms']} | {r['p99_ttft_ms']} | {r['median_tpot_ms']} | "
+              f"{r['p99_tpot_ms']} |")  # fmt: skip
+    if "max_rate_within_slo" in serve:
+        print("max rate within TTFT p99 <= 200 ms and TPOT p99 <= 50 ms:",
+              serve["max_rate_within_slo"])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""`yinian bench serve`: the load driver for OpenAI-compatible servers.
+
+Requests are sent on a seeded arrival schedule: all at once for rate inf,
+else gaps drawn from a gamma distribution with shape `burstiness` and mean
+1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
+in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
+multi-turn request waits for its conversation's previous turn to finish.
+A sweep repeats the run at each rate of `request_rates` on the same requests.
+
+Each run writes RESULT.json (metrics, config, per-request arrays with error
+bodies) and RESULT-cdf.png; a sweep also writes BASE-sweep.json and the
+latency/throughput-vs-rate plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.loadgen.client import RequestInput, RequestResult, list_models, make_client, send_request
+from bench.loadgen.datasets import BenchRequest
+from bench.loadgen.metrics import compute_metrics, latency_samples, per_request
+from bench.loadgen.plots import plot_cdfs, plot_sweep
+
+
+@dataclass
+class ServeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str | None = None  # default: /v1/completions, or /v1/chat/completions for chat
+    chat: bool = False
+    model: str | None = None  # default: the first of GET /v1/models
+    api_key: str | None = None
+    request_rates: list[float] = field(default_factory=lambda: [math.inf])
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    extra_body: dict | None = None
+    goodput: dict[str, float] = field(default_factory=dict)  # SLOs in ms
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    num_warmups: int = 1
+    timeout_s: float = 6 * 3600.0
+    result_dir: str = "."
+    result_filename: str | None = None  # base name; .json added
+    plots: bool = True
+    disable_tqdm: bool = False
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Send times in seconds from the start: the first at 0, then gamma gaps with mean 1/rate."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("request rate and burstiness must be > 0")
+    if math.isinf(rate) or n == 0:
+        return np.zeros(n)
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def _inputs(cfg: ServeConfig, requests: list[BenchRequest], url: str) -> list[RequestInput]:
+    return [
+        RequestInput(
+            api_url=url,
+            model=cfg.model,
+            prompt=r.prompt,
+            prompt_len=r.prompt_len,
+            output_len=r.output_len,
+            chat=cfg.chat,
+            messages=r.messages,
+            ignore_eos=cfg.ignore_eos,
+            temperature=cfg.temperature,
+            api_key=cfg.api_key,
+            extra_body=cfg.extra_body,
+        )
+        for r in requests
+    ]
+
+
+async def run_load(
+    cfg: ServeConfig, requests: list[BenchRequest], rate: float, warmups: int = 0
+) -> tuple[list[RequestResult], float, float, list[str]]:
+    """(results in request order, duration s, start perf_counter, warmup errors)."""
+    url = cfg.base_url.rstrip("/") + cfg.endpoint
+    inputs = _inputs(cfg, requests, url)
+    offsets = arrival_offsets(len(requests), rate, cfg.burstiness, cfg.seed)
+    turn_done = {
+        (r.conversation_id, r.turn): asyncio.Event()
+        for r in requests
+        if r.conversation_id is not None
+    }
+    gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = tqdm(total=len(requests), desc=f"rate {rate:g}", disable=cfg.disable_tqdm)
+
+    async def one(client, req: BenchRequest, inp: RequestInput) -> RequestResult:
+        key = (req.conversation_id, req.turn)
+        try:
+            before = turn_done.get((req.conversation_id, req.turn - 1))
+            if before is not None:
+                await before.wait()  # the previous turn of this conversation finished
+            if gate is None:
+                return await send_request(client, inp)
+            async with gate:
+                return await send_request(client, inp)
+        finally:
+            if key in turn_done:
+                turn_done[key].set()  # even on failure, so the conversation goes on
+            bar.update(1)
+
+    async with make_client(cfg.timeout_s, cfg.max_concurrency) as client:
+        warmup_errors = []
+        for inp in inputs[:warmups]:  # not timed: the first request may compile or load
+            res = await send_request(client, inp)
+            if not res.success:
+                warmup_errors.append(res.error)
+        t0 = time.perf_counter()
+        tasks = []
+        for req, inp, offset in zip(requests, inputs, offsets):
+            # Absolute schedule, so time spent creating tasks does not stretch the gaps.
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, req, inp)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+    bar.close()
+    return results, duration, t0, warmup_errors
+
+
+def _json_safe(value):
+    # JSON has no Infinity: write "inf" instead.
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
+
+
+def _base_name(cfg: ServeConfig, dataset: dict) -> str:
+    if cfg.result_filename:
+        return cfg.result_filename.removesuffix(".json")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"serve-{dataset.get('name', 'custom')}-{stamp}"
+
+
+def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> list[dict]:
+    """Runs one benchmark per rate, writes results and plots; returns the result dicts."""
+    if cfg.endpoint is None:
+        cfg.endpoint = "/v1/chat/completions" if cfg.chat else "/v1/completions"
+    if cfg.model is None:
+        try:
+            models = asyncio.run(list_models(cfg.base_url, cfg.api_key))
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot list models at {cfg.base_url}/v1/models: {exc!r}") from None
+        if not models:
+            raise ValueError(f"{cfg.base_url}/v1/models lists no model: pass --model")
+        cfg.model = models[0]
+    if cfg.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "plots need matplotlib: pip install matplotlib, or --no-plots"
+            ) from None
+    out_dir = Path(cfg.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = _base_name(cfg, dataset)
+    sweep = len(cfg.request_rates) > 1
+    results = []
+    for i, rate in enumerate(cfg.request_rates):
+        runs, duration, t0, warmup_errors = asyncio.run(
+            run_load(cfg, requests, rate, warmups=cfg.num_warmups if i == 0 else 0)
+        )
+        metrics = compute_metrics(runs, duration, cfg.percentiles, cfg.goodput, t0)
+        config = asdict(cfg)
+        config.pop("request_rates")
+        config.pop("api_key")  # never written to disk
+        result = {
+            "date": datetime.now().isoformat(timespec="seconds"),
+            **config,
+            "endpoint_type": "chat" if cfg.chat else "completions",
+            "request_rate": rate,
+            "dataset": dataset,
+            "num_prompts": len(requests),
+            **metrics,
+            "warmup_errors": warmup_errors,
+            "failures": [
+                {"index": j, "status_code": r.status_code, "error": r.error}
+                for j, r in enumerate(runs)
+                if not r.success
+            ],
+            **per_request(runs, t0),
+            "conversation_ids": [r.conversation_id for r in requests],
+            "turns": [r.turn for r in requests],
+        }
+        name = f"{base}-rate{rate:g}" if sweep else base
+        result["plots"] = []
+        if cfg.plots:
+            title = f"{cfg.model}, rate {rate:g}, {dataset.get('name', '')}"
+            cdf = out_dir / f"{name}-cdf.png"
+            result["plots"].append(str(plot_cdfs(latency_samples(runs), cdf, title)))
+        result["result_file"] = str(out_dir / f"{name}.json")
+        write_json(out_dir / f"{name}.json", result)
+        print_summary(result, cfg.percentiles)
+        results.append(result)
+    if sweep:
+        summary = [{k: v for k, v in r.items() if k not in _PER_REQUEST_KEYS} for r in results]
+        plots = []
+        if cfg.plots:
+            plots = [str(p) for p in plot_sweep(results, out_dir / f"{base}-sweep")]
+        write_json(out_dir / f"{base}-sweep.json", {"runs": summary, "plots": plots})
+        print_sweep_table(results)
+    return results
+
+
+_PER_REQUEST_KEYS = {
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "e2els",
+    "itls",
+    "start_times",
+    "status_codes",
+    "errors",
+    "conversation_ids",
+    "turns",
+}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_summary(result: dict, percentiles: list[float]) -> None:
+    """The run's headline numbers, laid out like vLLM's serving result block."""
+    rows = [
+        ("Request rate (req/s)", f"{result['request_rate']:g}"),
+        ("Max concurrency", result["max_concurrency"] or "-"),
+        ("Successful requests", result["completed"]),
+        ("Failed requests", result["failed"]),
+        ("Benchmark duration (s)", f"{result['duration']:.2f}"),
+        ("Total input tokens", result["total_input_tokens"]),
+        ("Total generated tokens", result["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+    ]
+    if result["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s)", f"{result['request_goodput']:.2f}"))
+    rows += [
+        ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
+        ("Peak output token throughput (tok/s)", f"{result['max_output_tokens_per_s']:.2f}"),
+        ("Peak concurrent requests", result["max_concurrent_requests"]),
+        ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        label = name.upper()
+        rows.append((f"Mean {label} (ms)", _ms(result[f"mean_{name}_ms"])))
+        rows.append((f"Median {label} (ms)", _ms(result[f"median_{name}_ms"])))
+        for p in percentiles:
+            if p != 50:  # the median, already shown
+                rows.append((f"P{p:g} {label} (ms)", _ms(result[f"p{p:g}_{name}_ms"])))
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [f"{label:<40}{value!s:>10}" for label, value in rows]
+    errors = {f["error"][:200] for f in result["failures"]}
+    lines += [f"error: {e}" for e in sorted(errors)[:5]]
+    lines.append("=" * 50)
+    print("\n".join(lines), flush=True)
+
+
+def print_sweep_table(results: list[dict]) -> None:
+    head = f"{'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+    head += f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    lines = [head]
+    for r in results:
+        cells = [
+            r.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+        ]
+        lines.append(
+            f"{r['request_rate']:>6g} {r['completed']:>5} {r['failed']:>5} "
+            f"{r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
+            + " ".join(f"{_ms(c):>9}" for c in cells)
+        )
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,189 @@
+"""The host tier of the KV cache: blocks that left the device, kept in host
+memory (pinned on CUDA) so a later prompt loads them instead of recomputing.
+
+Layout: one tensor [host blocks, layers, *one layer's block], so a block across
+all its layers is one contiguous piece: it moves in one copy (and is what the
+shared tier stores), never layer by layer. Device blocks are gathered into (or
+scattered from) a staging buffer of the same layout on the device.
+
+- `backup`: blocks that just became free but stay cached on the device are
+  copied to the host on a side stream, after the work already queued; each
+  device block keeps a reference until its copy is done (`poll`), so it cannot
+  be reused under the copy. Nothing waits for a backup.
+- `load`: host blocks a prompt hits are copied into freshly allocated device
+  blocks on the compute stream, before the step that reads them.
+- `import_block` / `export_block`: a block's bytes from and to the shared tier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.host_pool import HostBlockPool
+
+_STAGING_BYTES = 256 << 20  # device staging per copy batch
+
+
+@dataclass(eq=False)
+class _InFlight:
+    event: object | None  # a CUDA event, None on CPU (done at once)
+    stores: list[int] = field(default_factory=list)  # host slots being written
+    device_blocks: list[KVBlock] = field(default_factory=list)  # referenced until done
+    reads: list[int] = field(default_factory=list)  # host slots being read (pinned)
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    blocks_backed_up: int = 0
+    blocks_loaded: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    load_seconds: float = 0.0  # host time spent issuing loads (and waiting, on CPU)
+
+
+class HostTier:
+    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int):
+        first = kv_caches[0]
+        self.device = first.device
+        self.block_shape = tuple(first.shape[1:])
+        self.num_layers = len(kv_caches)
+        self.kv_caches = kv_caches
+        cuda = self.device.type == "cuda"
+        # empty, not zeros: untouched host pages cost nothing until a block lands
+        self.blocks = torch.empty(
+            (num_blocks, self.num_layers, *self.block_shape), dtype=first.dtype, pin_memory=cuda
+        )
+        self.pool = HostBlockPool(num_blocks)
+        self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()
+        self.chunk = max(1, min(num_blocks, _STAGING_BYTES // self.bytes_per_block))
+        self.side = torch.cuda.Stream(self.device) if cuda else None
+        self._inflight: list[_InFlight] = []
+        self.stats = HostTierStats()
+
+    @staticmethod
+    def blocks_for(kv_caches: list[torch.Tensor], gigabytes: float) -> int:
+        per_block = sum(c[0].numel() * c.element_size() for c in kv_caches)
+        return int(gigabytes * (1 << 30) // per_block)
+
+    # -- device -> host ----------------------------------------------------------
+    def backup(self, blocks: list[KVBlock], device_pool: BlockPool) -> int:
+        """Starts copying cached device blocks to the host (those not there yet);
+        returns how many copies started."""
+        pairs = []
+        for block in blocks:
+            if block.block_hash is None or self.pool.contains(block.block_hash):
+                continue
+            slot = self.pool.begin_store(block.block_hash)
+            if slot is None:
+                break  # every slot is pinned by copies in flight
+            device_pool.touch([block])
+            pairs.append((block, slot))
+        if not pairs:
+            return 0
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                self._to_host(pairs)
+                event = torch.cuda.Event()
+                event.record(self.side)
+        else:
+            self._to_host(pairs)
+            event = None
+        self._inflight.append(_InFlight(event, [s for _, s in pairs], [b for b, _ in pairs]))
+        self.stats.blocks_backed_up += len(pairs)
+        self.stats.bytes_to_host += len(pairs) * self.bytes_per_block
+        return len(pairs)
+
+    def _to_host(self, pairs: list[tuple[KVBlock, int]]) -> None:
+        for start in range(0, len(pairs), self.chunk):
+            part = pairs[start : start + self.chunk]
+            ids = torch.tensor([b.block_id for b, _ in part], device=self.device)
+            staging = torch.empty(
+                (len(part), self.num_layers, *self.block_shape),
+                dtype=self.blocks.dtype,
+                device=self.device,
+            )
+            for layer, cache in enumerate(self.kv_caches):
+                staging[:, layer] = cache.index_select(0, ids)
+            for row, (_, slot) in enumerate(part):
+                self.blocks[slot].copy_(staging[row], non_blocking=True)
+
+    # -- host -> device ----------------------------------------------------------
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies host slots into device blocks, [(slot, device block id)], on the
+        current stream; the slots stay pinned until the copies are done."""
+        if not pairs:
+            return
+        start = time.perf_counter()
+        for first in range(0, len(pairs), self.chunk):
+            part = pairs[first : first + self.chunk]
+            staging = torch.empty(
+                (len(part), self.num_layers, *self.block_shape),
+                dtype=self.blocks.dtype,
+                device=self.device,
+            )
+            for row, (slot, _) in enumerate(part):
+                staging[row].copy_(self.blocks[slot], non_blocking=True)
+            ids = torch.tensor([b for _, b in part], device=self.device)
+            for layer, cache in enumerate(self.kv_caches):
+                cache.index_copy_(0, ids, staging[:, layer])
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._inflight.append(_InFlight(event, reads=[slot for slot, _ in pairs]))
+        self.stats.blocks_loaded += len(pairs)
+        self.stats.bytes_to_device += len(pairs) * self.bytes_per_block
+        self.stats.load_seconds += time.perf_counter() - start
+
+    # -- completion ----------------------------------------------------------------
+    def poll(self, device_pool: BlockPool, wait: bool = False) -> None:
+        """Finishes the copies that are done (all of them, with `wait`): backed-up
+        blocks become readable here and their device blocks are let go."""
+        keep = []
+        for op in self._inflight:
+            if op.event is not None and not (wait or op.event.query()):
+                keep.append(op)
+                continue
+            if op.event is not None and wait:
+                op.event.synchronize()
+            for slot in op.stores:
+                self.pool.end_store(slot)
+            for slot in op.reads:
+                self.pool.unpin(slot)
+            if op.device_blocks:
+                device_pool.free(op.device_blocks)
+        self._inflight = keep
+
+    # -- the shared tier's side --------------------------------------------------
+    def export_block(self, block_hash: int, device_block: KVBlock | None = None) -> bytes | None:
+        """The block's bytes (layer after layer): from the host tier, else from
+        `device_block` (a synchronous copy); None when neither has it."""
+        slot = self.pool.lookup(block_hash)
+        if slot is not None:
+            return _as_bytes(self.blocks[slot])
+        if device_block is None or device_block.block_hash != block_hash:
+            return None
+        rows = torch.stack([cache[device_block.block_id] for cache in self.kv_caches])
+        return _as_bytes(rows.cpu())
+
+    def import_block(self, block_hash: int, data: bytes) -> bool:
+        """Stores a verified block from elsewhere; False when its size is wrong or
+        no slot is free."""
+        if len(data) != self.bytes_per_block:
+            return False
+        slot = self.pool.begin_store(block_hash)
+        if slot is None:
+            return self.pool.contains(block_hash)
+        row = self.blocks[slot].view(-1).view(torch.uint8)
+        row.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.pool.end_store(slot)
+        return True
+
+
+def _as_bytes(block: torch.Tensor) -> bytes:
+    return block.contiguous().view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,132 @@
+"""The KV cache's tiers below the device pool, as the engine sees them: the
+host tier (engine/host_tier.py) and what the shared tier needs of it.
+
+The worker moves shared-tier bytes itself (services, over the network); here
+it finds how much of a prompt is already local, imports verified blocks into
+the host tier, and exports blocks to write through.
+"""
+
+from __future__ import annotations
+
+from basis.block_hash import hash_prompt_blocks
+from engine.block_pool import KVEvents
+from engine.config import EngineConfig
+from engine.host_tier import HostTier
+from engine.kv_cache_manager import KVCacheManager
+
+DEFAULT_FRACTION = 0.2  # of the host memory available at start-up
+DEFAULT_CAP_GB = 16.0
+
+
+def available_host_gb() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return 0.0
+
+
+def host_tier_gb(config: EngineConfig) -> float:
+    if config.host_kv_cache_gb is not None:
+        return config.host_kv_cache_gb
+    return min(DEFAULT_FRACTION * available_host_gb(), DEFAULT_CAP_GB)
+
+
+class KVTiers:
+    def __init__(self, config: EngineConfig, kv_caches: list, kv: KVCacheManager):
+        self.kv = kv
+        self.kv_caches = kv_caches
+        self.host: HostTier | None = None
+        if config.enable_prefix_caching:  # without it nothing could ever hit the host tier
+            num_blocks = HostTier.blocks_for(kv_caches, host_tier_gb(config))
+            if num_blocks >= 1:
+                self.host = HostTier(kv_caches, num_blocks)
+                kv.host = self.host
+                kv.pool.track_newly_free = True
+
+    # -- the engine's side -----------------------------------------------------
+    def load_pending(self) -> None:
+        """Issues the host-to-device copies that the last allocations need."""
+        if self.host is not None:
+            self.host.load(self.kv.take_loads())
+
+    def housekeeping(self) -> bool:
+        """Backs up what just became free; finishes copies that are done. True when
+        device blocks were let go."""
+        if self.host is None:
+            return False
+        pool = self.kv.pool
+        before = pool.num_free_blocks
+        self.host.poll(pool)  # frees host slots for the backups below
+        if self.host.backup(pool.take_newly_free(), pool):
+            self.host.poll(pool)  # on CPU they are done already
+        return pool.num_free_blocks != before
+
+    def drain_events(self) -> KVEvents:
+        events = self.kv.pool.drain_events()
+        if self.host is not None:
+            host = self.host.pool.drain_events()
+            events.host_stored, events.host_removed = host.stored, host.removed
+        return events
+
+    def snapshot(self) -> tuple[list[int], list[int]]:
+        """Every hash cached on the device and in the host tier, with the events
+        not yet drained dropped (the snapshot includes them)."""
+        self.drain_events()
+        host = self.host.pool.cached_hashes() if self.host is not None else []
+        return self.kv.pool.cached_hashes(), host
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.poll(self.kv.pool, wait=True)
+        self.host = self.kv.host = None
+
+    # -- the shared tier's side ---------------------------------------------------
+    def cached_prefix_blocks(
+        self, prompt_ids: list[int], namespace: str = "", public_tokens: int = 0
+    ) -> int:
+        """How many leading full blocks of a prompt the device or host tier holds."""
+        count = 0
+        for h in hash_prompt_blocks(prompt_ids, self.kv.block_size, namespace, public_tokens):
+            on_device = self.kv.pool.lookup(h) is not None
+            if not on_device and (self.host is None or self.host.pool.lookup(h) is None):
+                break
+            count += 1
+        return count
+
+    def import_blocks(self, blocks: list[tuple[int, bytes]]) -> int:
+        """Puts verified blocks, (hash, bytes), into the host tier; returns how many
+        it took (a prompt's admission then loads them like any host hit)."""
+        if self.host is None:
+            return 0
+        taken = 0
+        for block_hash, data in blocks:
+            if not self.host.import_block(block_hash, data):
+                break
+            taken += 1
+        return taken
+
+    def export_blocks(self, hashes: list[int]) -> list[bytes]:
+        """The bytes of the leading blocks of `hashes` still held here."""
+        if self.host is None:
+            return []
+        out = []
+        for h in hashes:
+            data = self.host.export_block(h, self.kv.pool.lookup(h))
+            if data is None:
+                break
+            out.append(data)
+        return out
+
+    @property
+    def block_layout(self) -> str:
+        """dtype and one block's shape across layers: what a stored block must match."""
+        cache = self.kv_caches[0]
+        return f"{cache.dtype}:{len(self.kv_caches)}x{','.join(map(str, cache.shape[1:]))}"
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(c[0].numel() * c.element_size() for c in self.kv_caches)

@@ -1,0 +1,113 @@
+"""Which holder has which KV block, in which tier, from the KV events on NATS.
+
+A holder is a worker (its GPU tier and its host tier) or the shared tier (the
+KV store's Redis). Each holder numbers its event batches. A batch marked
+`reset` is a full snapshot and replaces what was known of that holder; a gap
+in the numbering (a lost message) drops the holder's entries and marks it
+for a resync (its answer is a reset batch), so the index may under-report a
+holder for a moment but never keeps claiming blocks it lacks.
+
+The scheduler keeps one for placement, the KV store keeps one for Lookup.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+GPU, HOST, SHARED = "gpu", "host", "shared"
+TIERS = (GPU, HOST, SHARED)
+SHARED_HOLDER = "shared"  # the holder id of the shared tier
+
+
+class KvIndex:
+    def __init__(self):
+        # (holder, tier) -> block hashes; hash -> {(holder, tier)}
+        self._blocks: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self._holders: dict[int, set[tuple[str, str]]] = defaultdict(set)
+        self._last_event: dict[str, int] = {}
+        self.needs_resync: set[str] = set()
+        self.gaps = 0
+
+    # -- events --------------------------------------------------------------
+    def apply(
+        self,
+        holder: str,
+        event_id: int,
+        changes: dict[str, tuple[list[int], list[int]]],
+        reset: bool = False,
+    ) -> bool:
+        """Applies one numbered batch: `changes` maps a tier to (stored, removed).
+        Returns False when the batch revealed a gap (the holder needs a resync)."""
+        last = self._last_event.get(holder)
+        if reset:
+            self.forget(holder)
+            self.needs_resync.discard(holder)
+        elif last is None or event_id != last + 1:
+            if last is not None:
+                self.gaps += 1
+            self.forget(holder)
+            self.needs_resync.add(holder)
+            self._last_event[holder] = event_id
+            return False
+        elif holder in self.needs_resync:
+            self._last_event[holder] = event_id
+            return False  # in order, but what came before the gap is still missing
+        self._last_event[holder] = event_id
+        for tier, (stored, removed) in changes.items():
+            key = (holder, tier)
+            blocks = self._blocks[key]
+            for h in stored:
+                self._holders[h].add(key)
+                blocks.add(h)
+            for h in removed:
+                self._drop(h, key)
+                blocks.discard(h)
+        return True
+
+    def forget(self, holder: str) -> None:
+        """Drops everything known of `holder` (gone, restarted, or out of sync)."""
+        for tier in TIERS:
+            for h in self._blocks.pop((holder, tier), ()):
+                self._drop(h, (holder, tier))
+        self._last_event.pop(holder, None)
+
+    def _drop(self, h: int, key: tuple[str, str]) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(key)
+            if not holders:
+                del self._holders[h]
+
+    # -- queries -------------------------------------------------------------
+    def matched_blocks(self, holder: str, block_hashes, tiers=(GPU,)) -> int:
+        """How many leading blocks of a prompt `holder` has in any of `tiers`."""
+        sets = [self._blocks.get((holder, t)) for t in tiers]
+        sets = [s for s in sets if s]
+        count = 0
+        for h in block_hashes:
+            if not any(h in s for s in sets):
+                break
+            count += 1
+        return count
+
+    def prefix_by_tier(self, holder: str, block_hashes) -> list[str]:
+        """For each leading block the holder (or the shared tier) has, the cheapest
+        tier it is in: GPU before host before shared; stops at the first miss."""
+        out = []
+        for h in block_hashes:
+            holders = self._holders.get(h, ())
+            if (holder, GPU) in holders:
+                out.append(GPU)
+            elif (holder, HOST) in holders:
+                out.append(HOST)
+            elif (SHARED_HOLDER, SHARED) in holders:
+                out.append(SHARED)
+            else:
+                break
+        return out
+
+    def holders(self, block_hash: int) -> set[tuple[str, str]]:
+        return set(self._holders.get(block_hash, ()))
+
+    def num_blocks(self, holder: str, tier: str = GPU) -> int:
+        return len(self._blocks.get((holder, tier), ()))

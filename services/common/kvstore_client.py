@@ -1,0 +1,121 @@
+"""A worker's calls to the KV store (services/kvstore): lookup, get and put of
+whole blocks under the worker's model fingerprint. The shared tier is an
+accelerator, never a dependency: every failure is a miss or a skipped write
+(counted), and a store that failed is left alone for a few seconds."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.common.channels import OPTIONS
+from services.common.kv_checksum import block_checksum
+from services.common.telemetry import grpc_metadata
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 1  # of a block's bytes: every layer's block, one after another
+
+
+def fingerprint(
+    model_id: str, dtype: str, block_size: int, layout: str, num_layers: int
+) -> kvstore_pb2.ModelFingerprint:
+    return kvstore_pb2.ModelFingerprint(
+        model_id=model_id,
+        dtype=dtype,
+        block_size=block_size,
+        layout=layout,
+        num_layers=num_layers,
+        format_version=FORMAT_VERSION,
+    )
+
+
+class KvStoreClient:
+    def __init__(
+        self,
+        address: str,
+        model: kvstore_pb2.ModelFingerprint,
+        timeout: float = 5.0,
+        backoff: float = 3.0,
+    ):
+        self.address = address
+        self.model = model
+        self.timeout = timeout
+        self.backoff = backoff
+        self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+        self.stub = kvstore_pb2_grpc.KvStoreStub(self.channel)
+        self._down_until = 0.0
+        self.failures = 0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        self._down_until = time.monotonic() + self.backoff
+        logger.warning("KV store %s %s failed (%s); not asking for %.0f s",
+                       self.address, what, exc, self.backoff)  # fmt: skip
+
+    async def lookup(self, tenant: str, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the shared tier holds (0 on failure)."""
+        if not hashes or not self.available:
+            return 0
+        try:
+            request = kvstore_pb2.LookupRequest(
+                tenant=tenant, fingerprint=self.model, block_hashes=hashes
+            )
+            answer = await self.stub.Lookup(request, timeout=self.timeout, metadata=grpc_metadata())
+        except grpc.RpcError as exc:
+            self._failed("lookup", exc)
+            return 0
+        return answer.shared_prefix_blocks
+
+    async def get(self, tenant: str, hashes: list[int]) -> list[tuple[int, int, bytes]]:
+        """(hash, parent hash, bytes) of the leading blocks the store returned, each
+        checked again here: its checksum, and that it is the block asked for."""
+        if not hashes or not self.available:
+            return []
+        out: list[tuple[int, int, bytes]] = []
+        request = kvstore_pb2.GetRequest(tenant=tenant, fingerprint=self.model, block_hashes=hashes)
+        try:
+            stream = self.stub.Get(request, timeout=self.timeout, metadata=grpc_metadata())
+            async for block in stream:
+                want = hashes[len(out)] if len(out) < len(hashes) else None
+                if block.block_hash != want or block_checksum(block.data) != block.checksum:
+                    logger.warning("KV store sent a block that fails verification; dropped")
+                    break
+                out.append((block.block_hash, block.parent_hash, block.data))
+        except grpc.RpcError as exc:
+            self._failed("get", exc)
+        return out
+
+    async def put(self, tenant: str, blocks: list[tuple[int, int, bytes]]) -> int:
+        """Stores (hash, parent hash, bytes) blocks; returns how many are now there."""
+        if not blocks or not self.available:
+            return 0
+
+        def messages():
+            for block_hash, parent, data in blocks:
+                yield kvstore_pb2.PutBlock(
+                    tenant=tenant,
+                    fingerprint=self.model,
+                    block_hash=block_hash,
+                    parent_hash=parent,
+                    data=data,
+                    checksum=block_checksum(data),
+                )
+
+        try:
+            answer = await self.stub.Put(
+                messages(), timeout=self.timeout * 4, metadata=grpc_metadata()
+            )
+        except grpc.RpcError as exc:
+            self._failed("put", exc)
+            return 0
+        return answer.stored + answer.already_present
+
+    async def close(self) -> None:
+        await self.channel.close()

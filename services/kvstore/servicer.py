@@ -1,0 +1,151 @@
+"""The KV store's gRPC servicer: decode, call the store, encode."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+
+from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.common.errors import InvalidRequest
+from services.common.kv_index import GPU, HOST, SHARED
+from services.common.telemetry import context_from_grpc, tracer
+from services.kvstore.fingerprint import Fingerprint
+from services.kvstore.store import KvStore
+
+_tracer = tracer("yinian.kvstore")
+_TIERS = {
+    GPU: kvstore_pb2.KV_TIER_GPU,
+    HOST: kvstore_pb2.KV_TIER_HOST,
+    SHARED: kvstore_pb2.KV_TIER_SHARED,
+}
+
+
+def fingerprint_of(message) -> Fingerprint:
+    if not message.HasField("fingerprint"):
+        raise InvalidRequest("a model fingerprint is required")
+    f = message.fingerprint
+    return Fingerprint(
+        f.model_id, f.dtype, f.block_size, f.layout, f.num_layers, f.format_version
+    )  # its checks raise ValueError -> INVALID_ARGUMENT
+
+
+def _span(name: str, context, tenant: str, blocks: int = 0):
+    return _tracer.start_as_current_span(
+        name,
+        context=context_from_grpc(context),
+        kind=trace.SpanKind.SERVER,
+        attributes={"yinian.tenant": tenant, "yinian.blocks": blocks},
+    )
+
+
+class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
+    def __init__(self, store: KvStore):
+        self.store = store
+
+    async def Lookup(self, request, context):
+        with _span("kvstore.lookup", context, request.tenant, len(request.block_hashes)) as span:
+            result = await self.store.lookup(
+                request.tenant, fingerprint_of(request), request.block_hashes
+            )
+            span.set_attribute("yinian.matched_blocks", len(result.locations))
+            span.set_attribute("yinian.shared_prefix_blocks", result.shared_prefix_blocks)
+            return kvstore_pb2.LookupResponse(
+                locations=[
+                    kvstore_pb2.BlockLocation(
+                        block_hash=loc.block_hash,
+                        holders=[
+                            kvstore_pb2.BlockHolder(holder=holder, tier=_TIERS[tier])
+                            for holder, tier in loc.holders
+                        ],
+                    )
+                    for loc in result.locations
+                ],
+                shared_prefix_blocks=result.shared_prefix_blocks,
+            )
+
+    async def Put(self, request_iterator, context):
+        with _span("kvstore.put", context, "") as span:
+            out = kvstore_pb2.PutResponse()
+            async for block in request_iterator:
+                outcome = await self.store.put(
+                    block.tenant,
+                    fingerprint_of(block),
+                    block.block_hash,
+                    block.parent_hash,
+                    block.data,
+                    block.checksum,
+                )
+                if outcome.status == "stored":
+                    out.stored += 1
+                elif outcome.status == "present":
+                    out.already_present += 1
+                else:
+                    out.rejected += 1
+                    out.reasons.append(f"{block.block_hash:016x}: {outcome.detail}")
+                    out.rejected_hashes.append(block.block_hash)
+                span.set_attribute("yinian.tenant", block.tenant)
+            span.set_attribute("yinian.stored_blocks", out.stored)
+            span.set_attribute("yinian.rejected_blocks", out.rejected)
+            return out
+
+    async def Get(self, request, context):
+        fingerprint = fingerprint_of(request)
+        # Not made current: a streaming handler resumes between yields.
+        span = _tracer.start_span(
+            "kvstore.get",
+            context=context_from_grpc(context),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "yinian.tenant": request.tenant,
+                "yinian.blocks": len(request.block_hashes),
+            },
+        )
+        served = 0
+        try:
+            async for block in self.store.get(request.tenant, fingerprint, request.block_hashes):
+                served += 1
+                yield kvstore_pb2.StoredBlock(
+                    block_hash=block.block_hash,
+                    parent_hash=block.parent_hash,
+                    data=block.payload,
+                    checksum=block.checksum,
+                )
+        finally:
+            span.set_attribute("yinian.served_blocks", served)
+            span.end()
+
+    async def Stats(self, request, context):
+        tenant = request.tenant if request.HasField("tenant") else None
+        report = await self.store.stats(tenant)
+        mean, p99 = report.redis_latency_ms
+        return kvstore_pb2.StatsResponse(
+            tenants=[
+                kvstore_pb2.TenantStats(
+                    tenant=t.tenant,
+                    blocks=t.blocks,
+                    bytes=t.bytes,
+                    quota_bytes=t.quota_bytes,
+                    hit_blocks=t.counters.hit_blocks,
+                    miss_blocks=t.counters.miss_blocks,
+                    hit_tokens=t.counters.hit_tokens,
+                    miss_tokens=t.counters.miss_tokens,
+                    get_blocks=t.counters.get_blocks,
+                    get_misses=t.counters.get_misses,
+                    stored_blocks=t.counters.stored_blocks,
+                    evictions=t.counters.evictions,
+                    verification_failures=t.counters.verification_failures,
+                    rejected_puts=t.counters.rejected_puts,
+                )
+                for t in report.tenants
+            ],
+            shared_tier_enabled=report.shared_tier_enabled,
+            redis_up=report.redis_up,
+            shared_blocks=report.shared_blocks,
+            shared_bytes=report.shared_bytes,
+            capacity_bytes=report.capacity_bytes,
+            redis_errors=report.redis_errors,
+            redis_latency_mean_ms=mean,
+            redis_latency_p99_ms=p99,
+            index_gpu_blocks=report.index_blocks.get(GPU, 0),
+            index_host_blocks=report.index_blocks.get(HOST, 0),
+            index_workers=report.index_workers,
+        )

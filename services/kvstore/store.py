@@ -1,0 +1,214 @@
+"""The KV store's operations, free of gRPC: Lookup over the global index and
+the shared tier, Put, Get and Stats. Every request is checked before any
+state changes (a bad one raises InvalidRequest); with no shared tier
+configured, Lookup still answers from the index and Put rejects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.common import metrics
+from services.common.errors import InvalidRequest
+from services.common.kv_checksum import block_checksum
+from services.common.kv_index import SHARED, SHARED_HOLDER
+from services.kvstore.block_format import Block
+from services.kvstore.fingerprint import Fingerprint
+from services.kvstore.global_index import GlobalIndex
+from services.kvstore.ledger import Ledger, TenantCounters
+from services.kvstore.redis_guard import TierUnavailable
+from services.kvstore.shared_tier import PutOutcome, SharedTier
+
+MAX_BLOCKS_PER_REQUEST = 16_384  # hashes in one Lookup or Get (a 256k-token prompt at 16)
+MAX_TENANT_CHARS = 256
+
+
+@dataclass(slots=True)
+class Location:
+    block_hash: int
+    holders: list[tuple[str, str]]  # (holder, tier): a worker's GPU/host, or ("shared", "shared")
+
+
+@dataclass(slots=True)
+class LookupResult:
+    locations: list[Location]
+    shared_prefix_blocks: int
+
+
+@dataclass(slots=True)
+class TenantReport:
+    tenant: str
+    blocks: int
+    bytes: int
+    quota_bytes: int
+    counters: TenantCounters
+
+
+@dataclass(slots=True)
+class StatsReport:
+    tenants: list[TenantReport]
+    shared_tier_enabled: bool
+    redis_up: bool = False
+    shared_blocks: int = 0
+    shared_bytes: int = 0
+    capacity_bytes: int = 0
+    redis_errors: int = 0
+    redis_latency_ms: tuple[float, float] = (0.0, 0.0)
+    index_blocks: dict[str, int] = field(default_factory=dict)
+    index_workers: int = 0
+
+
+def check_tenant(tenant: str) -> None:
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest(f"tenant is longer than {MAX_TENANT_CHARS} characters")
+
+
+def check_hashes(hashes) -> None:
+    if len(hashes) > MAX_BLOCKS_PER_REQUEST:
+        raise InvalidRequest(
+            f"{len(hashes)} block hashes; at most {MAX_BLOCKS_PER_REQUEST} per request"
+        )
+
+
+class KvStore:
+    def __init__(
+        self,
+        tier: SharedTier | None,
+        index: GlobalIndex,
+        ledger: Ledger,
+        max_block_bytes: int = 64 << 20,
+    ):
+        self.tier, self.index, self.ledger = tier, index, ledger
+        self.max_block_bytes = max_block_bytes
+
+    async def lookup(self, tenant: str, fingerprint: Fingerprint, hashes) -> LookupResult:
+        check_tenant(tenant)
+        check_hashes(hashes)
+        hashes = list(hashes)
+        owners = await self.tier.present(tenant, fingerprint, hashes) if self.tier else []
+        locations, shared_prefix = [], 0
+        for i, h in enumerate(hashes):
+            holders = self.index.holders(h)
+            in_shared = bool(owners) and owners[i] is not None
+            if in_shared:
+                holders.append((SHARED_HOLDER, SHARED))
+                if shared_prefix == i:
+                    shared_prefix += 1
+            if not holders:
+                break
+            locations.append(Location(h, holders))
+        if self.tier:
+            n = len(locations)
+            await self.tier.lease(fingerprint, hashes[:n], owners[:n])
+            self.ledger.looked_up(
+                tenant, shared_prefix, len(hashes) - shared_prefix, fingerprint.block_size
+            )
+        return LookupResult(locations, shared_prefix)
+
+    def check_put(self, tenant: str, data: bytes) -> None:
+        check_tenant(tenant)
+        if not data:
+            raise InvalidRequest("a block needs data")
+        if len(data) > self.max_block_bytes:
+            raise InvalidRequest(
+                f"block of {len(data)} bytes; at most {self.max_block_bytes} (--max-block-bytes)"
+            )
+
+    async def put(
+        self,
+        tenant: str,
+        fingerprint: Fingerprint,
+        block_hash: int,
+        parent_hash: int,
+        data: bytes,
+        checksum: int,
+    ) -> PutOutcome:
+        """Stores one whole block; the outcome says stored, present or rejected (and why)."""
+        self.check_put(tenant, data)
+        if block_checksum(data) != checksum:
+            outcome = PutOutcome("rejected", "checksum", "checksum mismatch: corrupted in transit")
+        elif self.tier is None:
+            outcome = PutOutcome("rejected", "disabled", "no shared tier (--redis-url is empty)")
+        else:
+            outcome = await self.tier.put(
+                tenant, fingerprint, block_hash, parent_hash, data, checksum
+            )
+        if outcome.status == "rejected":
+            self.ledger.rejected(tenant, outcome.reason)
+        elif outcome.status == "stored":
+            self.ledger.stored(tenant, len(data))
+        return outcome
+
+    async def get(self, tenant: str, fingerprint: Fingerprint, hashes) -> AsyncIterator[Block]:
+        """The leading blocks the shared tier can serve, verified, in order."""
+        check_tenant(tenant)
+        check_hashes(hashes)
+        hashes = list(hashes)
+        served = nbytes = 0
+        try:
+            if self.tier is None:
+                return
+            owners = await self.tier.present(tenant, fingerprint, hashes)
+            n = next((i for i, o in enumerate(owners) if o is None), len(owners))
+            await self.tier.lease(fingerprint, hashes[:n], owners[:n])
+            for h, owner in zip(hashes[:n], owners[:n]):
+                block = await self.tier.read(owner, fingerprint, h)
+                if block is None:
+                    return
+                served += 1
+                nbytes += len(block.payload)
+                yield block
+        finally:
+            self.ledger.served(tenant, served, len(hashes) - served, nbytes)
+
+    async def stats(self, tenant: str | None = None) -> StatsReport:
+        index_sizes = self.index.sizes()
+        report = StatsReport(
+            [],
+            self.tier is not None,
+            index_blocks=index_sizes,
+            index_workers=len(self.index.last_seen),
+        )
+        if tenant is not None:
+            check_tenant(tenant)
+        names = set(self.ledger.tenants) if tenant is None else {tenant}
+        if self.tier is not None:
+            tier = self.tier
+            report.capacity_bytes = tier.capacity
+            report.redis_errors = tier.guard.errors
+            report.redis_latency_ms = tier.guard.latency_ms()
+            usage: dict[str, tuple[int, int]] = {}
+            try:
+                known = await tier.tenants()
+                for name in known:
+                    usage[name] = await tier.usage(name)
+                report.redis_up = True
+            except TierUnavailable:  # report the counters, which need no Redis
+                known = []
+            report.shared_blocks = sum(b for b, _ in usage.values())
+            report.shared_bytes = sum(n for _, n in usage.values())
+            if tenant is None:
+                names |= set(known)
+        for name in sorted(names):
+            blocks, nbytes = usage.get(name, (0, 0)) if self.tier else (0, 0)
+            quota = self.tier.quotas.for_tenant(name) if self.tier else 0
+            counters = self.ledger.tenants.get(name) or TenantCounters()
+            report.tenants.append(TenantReport(name, blocks, nbytes, quota, counters))
+        return report
+
+    async def refresh_gauges(self) -> None:
+        """Sets the quota-use and index-size gauges (the app calls it now and then)."""
+        for tier_name, blocks in self.index.sizes().items():
+            metrics.KVSTORE_INDEX_BLOCKS.labels(tier=tier_name).set(blocks)
+        if self.tier is None:
+            return
+        try:
+            for name in await self.tier.tenants():
+                metrics.KVSTORE_TENANT_BYTES.labels(tenant=name).set(
+                    (await self.tier.usage(name))[1]
+                )
+                metrics.KVSTORE_TENANT_QUOTA.labels(tenant=name).set(
+                    self.tier.quotas.for_tenant(name)
+                )
+        except TierUnavailable:
+            pass

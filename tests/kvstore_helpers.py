@@ -1,0 +1,83 @@
+"""Building a KV store core over a real Redis for tests, and blocks to put in it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+from services.common.kv_checksum import block_checksum
+from services.kvstore.block_format import encode
+from services.kvstore.fingerprint import Fingerprint
+from services.kvstore.global_index import GlobalIndex
+from services.kvstore.ledger import Ledger
+from services.kvstore.quotas import Quotas
+from services.kvstore.redis_guard import RedisGuard
+from services.kvstore.shared_events import SharedEventLog
+from services.kvstore.shared_tier import SharedTier, TierSettings
+from services.kvstore.store import KvStore
+
+FP = Fingerprint("tiny-llama", "float32", 16, "2x16x4x8", 2, 1)
+OTHER_FP = Fingerprint("tiny-llama", "bfloat16", 16, "2x16x4x8", 2, 1)
+PAYLOAD_BYTES = 4096
+
+
+def payload(seed: int, size: int = PAYLOAD_BYTES) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def chain(n: int, start: int = 1) -> list[int]:
+    """n chained block hashes (any distinct 64-bit values do for the store)."""
+    rng = random.Random(start)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def value_bytes(tenant: str, fingerprint: Fingerprint = FP, size: int = PAYLOAD_BYTES) -> int:
+    """What one block of `size` payload bytes costs in Redis (header included)."""
+    return len(encode(fingerprint.canonical(), tenant, 1, 0, 0, b"\0" * size))
+
+
+@dataclass
+class Harness:
+    store: KvStore
+    tier: SharedTier
+    ledger: Ledger
+    events: SharedEventLog
+    index: GlobalIndex
+    seen: list = field(default_factory=list)
+
+    async def put(self, tenant: str, h: int, seed: int | None = None, parent: int = 0, fp=FP):
+        data = payload(h if seed is None else seed)
+        return await self.store.put(tenant, fp, h, parent, data, block_checksum(data))
+
+    async def get(self, tenant: str, hashes, fp=FP) -> list:
+        return [b async for b in self.store.get(tenant, fp, hashes)]
+
+    async def close(self) -> None:
+        await self.tier.guard.close()
+
+
+def harness(
+    url: str,
+    capacity: int = 1 << 24,
+    quota: int = 0,
+    overrides: dict | None = None,
+    cluster: bool = False,
+    **settings,
+) -> Harness:
+    ledger, events = Ledger(), SharedEventLog()
+    guard = RedisGuard(url, cluster, timeout=0.5, retry_after=0.3)
+
+    def on_change(stored, removed):
+        events.stored(stored)
+        events.removed(removed)
+
+    tier = SharedTier(
+        guard, Quotas(capacity, quota, overrides or {}), ledger, TierSettings(**settings), on_change
+    )
+    index = GlobalIndex()
+    return Harness(KvStore(tier, index, ledger), tier, ledger, events, index)
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,81 @@
+"""Every GPU experiment script's dry run (`--device cpu`: a tiny preset at tiny sizes),
+in process: each section has a result or an explicit skip with its reason, never an
+error and never missing, so a script cannot rot unseen between GPU runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import SCRIPTS
+from bench.gpu.sections import outcome
+
+CUDA_ONLY = "skipped"
+# Per script, every section it must write in a dry run, and how it must end.
+EXPECTED = {
+    "engine_baseline": {"ceilings": "ok", "model": "ok", "decode": "ok", "offline": "ok"},
+    "kernels_bench": {
+        "ceilings": "ok",
+        "decode_attention": "ok",
+        "prefill_attention": "ok",
+        "prefill_variants": CUDA_ONLY,
+        "ops": "ok",
+        "rotary_configs": CUDA_ONLY,
+        "end_to_end": "ok",
+    },
+    "engine_checks": {"spread/tiny-llama": "ok", "tiny-llama/float32": "ok"},
+    "extend_candidates": {"candidates": "ok"},
+    "async_scheduling": {"tiny-qwen3": "ok"},
+    "decode_profile": {"ceilings": "ok", "model": "ok", "batch_1": "ok", "batch_4": "ok"},
+    "pd_cuda_ipc": {
+        "ceilings": "ok",
+        "transfer_cuda_ipc": CUDA_ONLY,
+        "transfer_tcp": "ok",
+        "equality": "ok",
+        "ttft": "ok",
+    },
+    "pd_nccl": {
+        "ceilings": "ok",
+        "peer_ceilings": CUDA_ONLY,
+        "transfer_nccl": CUDA_ONLY,
+        "equality": "ok",
+        "ttft": "ok",
+        "kill": "ok",
+        "kill_tiny": CUDA_ONLY,
+    },
+    "serving": {"ceilings": "ok", "serve": "ok", "offline": "ok", "peer": "ok"},
+    "mla": {
+        "ceilings": "ok",
+        "decode_kernel": "ok",
+        "v2_lite_decode": "ok",
+        "engine/tiny-deepseek-v2/float32": "ok",
+        "engine/tiny-deepseek-v2/bfloat16": CUDA_ONLY,
+        "engine/tiny-deepseek-v3/float32": "ok",
+        "engine/tiny-deepseek-v3/bfloat16": CUDA_ONLY,
+    },
+}
+
+
+def test_every_script_has_a_dry_run():
+    assert set(EXPECTED) == set(SCRIPTS)
+    folder = Path(__file__).parents[1] / "bench" / "gpu"
+    runnable = {p.stem for p in folder.glob("*.py") if "__main__" in p.read_text()}
+    assert runnable == set(SCRIPTS), "a script under bench/gpu/ is missing from SCRIPTS"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_dry_run(script, tmp_path):
+    module = importlib.import_module(f"bench.gpu.{script}")
+    out = tmp_path / f"{script}.json"
+    module.main(["--device", "cpu", "--out", str(out)])
+    results = json.loads(out.read_text())
+    outcomes = {name: outcome(results[name]) for name in results["seconds"]}
+    errors = {n: results[n]["error"][-1500:] for n, o in outcomes.items() if o == "error"}
+    assert not errors, errors
+    assert outcomes == EXPECTED[script]
+    for name, how in outcomes.items():
+        if how == "skipped":
+            assert results[name]["skipped"].startswith("needs "), results[name]

@@ -1,0 +1,244 @@
+"""The KV store in the mesh, with real processes, a real Redis and NATS: a new
+worker serves the next turn of a conversation from the shared tier; damaged
+blocks are caught and recomputed; Redis going away costs hits, never
+requests; a lost KV event is repaired by a resync; tenants never read each
+other's blocks. Every answer equals the engine's without any cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+import redis
+from kvstore_process import NatsRecorder
+from test_hf_parity import random_prompts
+
+from basis.block_hash import hash_prompt_blocks
+from engine import LLM, SamplingParams
+from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
+from services.common.processes import free_port
+from services.kvstore import block_format
+from services.kvstore.fingerprint import Fingerprint
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import worker_metric
+
+KEYS = {"A": "sk-tenant-a", "B": "sk-tenant-b"}
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    spec = MeshSpec(
+        model=str(model_dir("tiny-llama")),
+        workers=1,
+        port=free_port(),
+        gateway_argv=["--api-keys", str(keys)],
+        engine_argv=["--device", "cpu", "--dtype", "float32"],
+        worker_argv=["--kv-write-through", "all", "--load-interval", "0.2"],
+        kvstore=True,
+    )
+    with Mesh(spec) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(model_dir("tiny-llama"), device="cpu", dtype="float32", enable_prefix_caching=False)
+
+
+def complete(mesh, prompt: list[int], tenant: str = "A") -> dict:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    resp = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def expect(reference, prompt):
+    out = reference.generate([prompt], GREEDY)[0].outputs[0]
+    return out.text, list(out.token_ids)
+
+
+def stub(mesh) -> kvstore_pb2_grpc.KvStoreStub:
+    return kvstore_pb2_grpc.KvStoreStub(grpc.insecure_channel(mesh.kvstore_address))
+
+
+def stats(mesh, tenant: str | None = None) -> kvstore_pb2.StatsResponse:
+    request = kvstore_pb2.StatsRequest(tenant=tenant) if tenant else kvstore_pb2.StatsRequest()
+    return stub(mesh).Stats(request, timeout=5)
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stored_blocks(mesh, tenant: str) -> int:
+    return sum(t.blocks for t in stats(mesh).tenants if t.tenant == tenant)
+
+
+def fresh_worker(mesh) -> None:
+    """kill -9 of the worker, and a new one in its place (empty device and host tiers)."""
+    mesh.kill("worker-0")
+    mesh.respawn("worker-0")
+    wait_until(lambda: httpx.get(f"{mesh.url}/health", timeout=5).status_code == 200,
+               what="the gateway to see the new worker")  # fmt: skip
+
+
+def fetched_tokens(mesh) -> float:
+    return sum(worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values())
+
+
+def test_next_turn_on_a_new_worker_is_served_from_redis(mesh, reference):
+    turn1 = random_prompts(500, (90,), seed=101)[0]
+    text1, out1 = expect(reference, turn1)
+    assert complete(mesh, turn1)["choices"][0]["text"] == text1
+    wait_until(lambda: stored_blocks(mesh, "A") >= 6, what="the turn's blocks in Redis")
+    fresh_worker(mesh)
+    turn2 = turn1 + out1 + random_prompts(500, (20,), seed=102)[0]
+    text2, _ = expect(reference, turn2)
+    answer = complete(mesh, turn2)
+    assert answer["choices"][0]["text"] == text2
+    # prompt and answer of turn 1 (98 tokens): 6 whole blocks, all from the shared tier
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert fetched_tokens(mesh) >= 96
+
+
+def _payload_length(value: bytes) -> int:
+    return block_format._FIXED.unpack_from(value)[4]
+
+
+DAMAGE = {
+    "flipped byte": lambda value, fp: value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:],
+    "truncated": lambda value, fp: value[: len(value) // 2],
+    "other model": lambda value, fp: block_format.encode(
+        Fingerprint(**{**fp, "model_id": "another-model"}).canonical(),
+        "A",
+        *block_format._FIXED.unpack_from(value)[2:4],
+        block_format._FIXED.unpack_from(value)[5],
+        value[-_payload_length(value) :],
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_blocks_are_caught_and_recomputed(mesh, reference, damage):
+    prompt = random_prompts(500, (70,), seed=110 + list(DAMAGE).index(damage))[0]
+    want, _ = expect(reference, prompt)
+    assert complete(mesh, prompt)["choices"][0]["text"] == want
+    first = hash_prompt_blocks(prompt, 16, "A")[0]
+    client = redis.Redis.from_url(mesh.redis_url)
+    key = wait_until(lambda: next(iter(client.scan_iter(f"*{{t:A}}:b:*:{first:016x}")), None),
+                     what="the first block in Redis")  # fmt: skip
+    fp_id = key.decode().split(":b:")[1].split(":")[0]
+    fp = Fingerprint.from_canonical(client.hget("yinian:kv:fingerprints", fp_id))
+    client.set(key, DAMAGE[damage](client.get(key), _fields(fp)))
+    before = stats(mesh, "A").tenants[0].verification_failures
+    fresh_worker(mesh)
+    answer = complete(mesh, prompt)
+    assert answer["choices"][0]["text"] == want
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the chain broke at 0
+    assert stats(mesh, "A").tenants[0].verification_failures == before + 1
+
+
+def _fields(fp: Fingerprint) -> dict:
+    return {name: getattr(fp, name) for name in fp.__dataclass_fields__}
+
+
+def test_redis_down_costs_hits_not_requests(mesh, reference):
+    mesh.kill_redis()
+    prompts = random_prompts(500, (40, 55, 70), seed=120)
+    for prompt in prompts + prompts:
+        assert complete(mesh, prompt)["choices"][0]["text"] == expect(reference, prompt)[0]
+    mesh.restart_redis()
+    wait_until(lambda: stats(mesh).redis_up, what="the KV store to see Redis again")
+    prompt = random_prompts(500, (80,), seed=121)[0]
+    want, _ = expect(reference, prompt)
+    assert complete(mesh, prompt)["choices"][0]["text"] == want
+    wait_until(lambda: stored_blocks(mesh, "A") >= 4, what="writes to reach the new Redis")
+    fresh_worker(mesh)
+    answer = complete(mesh, prompt)
+    assert answer["choices"][0]["text"] == want
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # from Redis
+
+
+def test_a_lost_kv_event_is_repaired_by_resync(mesh, reference):
+    prompt = random_prompts(500, (60,), seed=130)[0]
+    hashes = hash_prompt_blocks(prompt, 16, "A")
+    bogus = random_prompts(500, (64,), seed=131)[0]  # never computed by anyone
+    bogus_hashes = hash_prompt_blocks(bogus, 16, "A")
+    recorder = NatsRecorder(mesh.nats_url, {kv_subject("worker-0"): common_pb2.KvEvents,
+                                            KV_RESYNC_SUBJECT: common_pb2.KvResync})  # fmt: skip
+    try:
+        complete(mesh, prompt)
+        wait_until(lambda: recorder.received[kv_subject("worker-0")], what="the worker's events")
+        time.sleep(0.3)  # the request's last batches
+        last = max(e.event_id for e in recorder.received[kv_subject("worker-0")])
+        # A stale entry, as if the batch that removed these blocks had been lost: the
+        # index believes the worker holds the bogus prompt.
+        recorder.publish(kv_subject("worker-0"), common_pb2.KvEvents(
+            worker_id="worker-0", event_id=last + 1, stored=bogus_hashes))  # fmt: skip
+        time.sleep(0.3)
+        answer = complete(mesh, bogus)  # placed on a stale entry: the worker computes it
+        assert answer["choices"][0]["text"] == expect(reference, bogus)[0]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # and a gap: the index asks the worker to resync, the worker sends a snapshot
+        recorder.publish(kv_subject("worker-0"), common_pb2.KvEvents(
+            worker_id="worker-0", event_id=last + 50, stored=[12345]))  # fmt: skip
+        recorder.wait_for(KV_RESYNC_SUBJECT, lambda r: r.worker_id == "worker-0")
+        recorder.wait_for(kv_subject("worker-0"), lambda e: e.reset and e.event_id > 1)
+    finally:
+        recorder.close()
+
+    def holders(block_hashes):
+        request = kvstore_pb2.LookupRequest(
+            tenant="A", fingerprint=_fingerprint(mesh), block_hashes=block_hashes
+        )
+        found = stub(mesh).Lookup(request, timeout=5).locations
+        return [{(h.holder, h.tier) for h in loc.holders} for loc in found]
+
+    gpu = ("worker-0", kvstore_pb2.KV_TIER_GPU)
+    repaired = wait_until(lambda: (h := holders(hashes)) and all(gpu in x for x in h) and h,
+                          what="the index to hold the worker's real blocks")  # fmt: skip
+    assert len(repaired) == len(hashes)
+    assert not any(gpu in x for x in holders([12345]))  # the injected entry is gone
+
+
+def _fingerprint(mesh) -> kvstore_pb2.ModelFingerprint:
+    client = redis.Redis.from_url(mesh.redis_url)
+    fp = Fingerprint.from_canonical(next(iter(client.hvals("yinian:kv:fingerprints"))))
+    return kvstore_pb2.ModelFingerprint(**_fields(fp))
+
+
+def test_tenants_never_read_each_others_blocks(mesh, reference):
+    prompt = random_prompts(500, (75,), seed=140)[0]
+    want, _ = expect(reference, prompt)
+    complete(mesh, prompt, "A")
+    wait_until(lambda: stored_blocks(mesh, "A") > 0, what="A's blocks")
+    answer = complete(mesh, prompt, "B")  # the same prompt: nothing of A's is used
+    assert answer["choices"][0]["text"] == want
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    a_hashes = hash_prompt_blocks(prompt, 16, "A")  # A's exact hashes, asked for as B
+
+    async def get_as(tenant):
+        async with grpc.aio.insecure_channel(mesh.kvstore_address) as channel:
+            request = kvstore_pb2.GetRequest(
+                tenant=tenant, fingerprint=_fingerprint(mesh), block_hashes=a_hashes
+            )
+            return [b async for b in kvstore_pb2_grpc.KvStoreStub(channel).Get(request)]
+
+    assert len(asyncio.run(get_as("A"))) == len(a_hashes)
+    assert asyncio.run(get_as("B")) == []

@@ -1,0 +1,130 @@
+"""The KV store's parts that need no Redis or network: the block format's
+checks, fingerprints, quota files, the numbering of SharedKvEvents, and the
+global index asking for a resync after a gap."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.kv_checksum import block_checksum
+from services.common.kv_index import GPU, HOST
+from services.kvstore.block_format import BlockCorrupt, decode, encode
+from services.kvstore.fingerprint import Fingerprint
+from services.kvstore.global_index import GlobalIndex
+from services.kvstore.quotas import Quotas, parse_quota_file
+from services.kvstore.redis_layout import Namespace, member, parse_member
+from services.kvstore.shared_events import SharedEventLog
+
+FP = Fingerprint("m", "bfloat16", 16, "2x16x8x64", 4, 1)
+
+
+def _value(payload=b"kv" * 100, tenant="a", block_hash=7, parent=3):
+    return encode(FP.canonical(), tenant, block_hash, parent, block_checksum(payload), payload)
+
+
+def test_block_round_trip_and_each_check():
+    block = decode(_value(), fingerprint=FP.canonical(), tenant="a", block_hash=7)
+    assert (block.block_hash, block.parent_hash, block.payload) == (7, 3, b"kv" * 100)
+    cases = {
+        "tenant": dict(tenant="b"),
+        "hash": dict(block_hash=8),
+        "fingerprint": dict(fingerprint=Fingerprint("m", "float16", 16, "2x16x8x64", 4, 1)),
+    }
+    for reason, ask in cases.items():
+        kwargs = dict(fingerprint=FP.canonical(), tenant="a", block_hash=7)
+        kwargs.update({k: v.canonical() if k == "fingerprint" else v for k, v in ask.items()})
+        with pytest.raises(BlockCorrupt) as err:
+            decode(_value(), **kwargs)
+        assert err.value.reason == reason
+    value = _value()
+    for broken, reason in [
+        (value[:10], "truncated"),
+        (value[:-1], "truncated"),
+        (b"XXXX" + value[4:], "magic"),
+        (value[:-1] + bytes([value[-1] ^ 1]), "checksum"),
+    ]:
+        with pytest.raises(BlockCorrupt) as err:
+            decode(broken, fingerprint=FP.canonical(), tenant="a", block_hash=7)
+        assert err.value.reason == reason
+
+
+def test_fingerprint_checks_and_ids():
+    assert FP.id == Fingerprint.from_canonical(FP.canonical()).id
+    assert FP.id != Fingerprint("m", "bfloat16", 16, "2x16x8x64", 4, 2).id
+    for bad in [
+        dict(model_id=""),
+        dict(block_size=0),
+        dict(num_layers=0),
+        dict(layout="x" * 300),
+    ]:
+        fields = dict(model_id="m", dtype="f", block_size=16, layout="l", num_layers=1)
+        with pytest.raises(ValueError):
+            Fingerprint(**{**fields, **bad})
+
+
+def test_keys_share_a_hash_tag_per_tenant():
+    for tenant in ["", "acme", "we{ird}"]:
+        ns = Namespace(tenant)
+        tag = ns.prefix.split("{")[1].split("}")[0]
+        assert tag and all(f"{{{tag}}}" in key for key in [ns.block("x"), *ns.accounting])
+    assert Namespace("a").prefix != Namespace("b").prefix
+    assert parse_member(member(FP.id, 2**64 - 1)) == (FP.id, 2**64 - 1)
+
+
+def test_quota_file():
+    quotas = parse_quota_file('# per tenant\nacme 1000\n"" 50  # the default tenant\n\n')
+    assert quotas == {"acme": 1000, "": 50}
+    q = Quotas(capacity=800, default=100, overrides=quotas)
+    assert (q.for_tenant("acme"), q.for_tenant(""), q.for_tenant("other")) == (800, 50, 100)
+    assert Quotas(capacity=800).for_tenant("x") == 800
+    with pytest.raises(ValueError, match="line 2"):
+        parse_quota_file("a 1\nb lots\n")
+
+
+def test_shared_events_are_numbered_and_start_with_a_reset():
+    log = SharedEventLog(max_hashes=3)
+    log.snapshot([1, 2, 3, 4])
+    log.stored([5])
+    log.removed([2])
+    batches = log.batches()
+    assert [(b.event_id, b.reset) for b in batches] == [(1, True), (2, False)]
+    assert batches[0].stored + batches[1].stored == [1, 3, 4, 5]
+    assert batches[0].removed == batches[1].removed == []
+    assert log.batches() == []
+    log.stored([6])
+    log.removed([6, 1])
+    (batch,) = log.batches()
+    assert (batch.event_id, batch.stored, batch.removed) == (3, [], [6, 1])
+
+
+def test_changes_during_a_snapshot_are_kept():
+    log = SharedEventLog()
+    log.begin_snapshot()
+    log.stored([9])  # a put that finished while the snapshot was read
+    log.removed([1])  # an eviction of a block the scan already saw
+    log.snapshot([1, 2])
+    (batch,) = log.batches()
+    assert batch.reset and batch.stored == [2, 9] and batch.removed == []
+
+
+def test_index_asks_for_a_resync_after_a_gap():
+    now = [0.0]
+    index = GlobalIndex(worker_timeout=5.0, resync_interval=1.0, clock=lambda: now[0])
+    assert not index.on_events("w1", 1, ([10, 11], []), ([12], []), reset=True)
+    assert index.holders(10) == [("w1", GPU)] and index.holders(12) == [("w1", HOST)]
+    assert not index.on_events("w1", 2, ([13], [10]), ([], []), reset=False)
+    assert index.holders(10) == [] and index.holders(13) == [("w1", GPU)]
+    assert index.on_events("w1", 4, ([14], []), ([], []), reset=False), "a gap asks for a resync"
+    assert index.holders(13) == [], "an index out of sync claims nothing"
+    assert not index.on_events("w1", 5, ([15], []), ([], []), reset=False), "asked already"
+    now[0] = 1.5
+    assert index.on_events("w1", 6, ([], []), ([], []), reset=False), "asked again later"
+    assert not index.on_events("w1", 7, ([13, 14], []), ([], []), reset=True)
+    assert index.holders(14) == [("w1", GPU)]
+    assert index.sizes() == {GPU: 2, HOST: 0}
+    # A worker that goes silent leaves the index.
+    now[0] = 7.0
+    index.on_events("w2", 1, ([14], []), ([], []), reset=True)
+    now[0] = 9.0
+    assert index.expire() == ["w1"]
+    assert index.holders(14) == [("w2", GPU)]

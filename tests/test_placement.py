@@ -1,0 +1,77 @@
+"""The KV index (per holder and tier, from numbered events) and placement by
+cost: tokens to compute, cheaper when cached in a tier, plus load."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import Saturated, WorkerUnavailable
+from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
+from services.scheduler.placement import PlacementPolicy, place
+from services.scheduler.registry import Registry, WorkerState
+
+H = list(range(100, 110))  # a prompt's 10 block hashes
+
+
+def test_index_applies_numbered_batches_and_detects_gaps():
+    index = KvIndex()
+    assert index.apply("w1", 1, {GPU: (H[:4], [])}, reset=True)
+    assert index.apply("w1", 2, {HOST: (H[4:6], []), GPU: ([], [H[3]])})
+    assert index.prefix_by_tier("w1", H) == [GPU, GPU, GPU]  # block 3 left the GPU tier
+    assert index.matched_blocks("w1", H, tiers=(GPU, HOST)) == 3
+    assert not index.apply("w1", 4, {GPU: ([H[3]], [])})  # batch 3 was lost
+    assert index.needs_resync == {"w1"} and index.gaps == 1
+    assert index.prefix_by_tier("w1", H) == []  # forgets rather than guess
+    assert not index.apply("w1", 5, {GPU: ([H[0]], [])})  # still out of sync
+    assert index.prefix_by_tier("w1", H) == []
+    assert index.apply("w1", 6, {GPU: (H[:2], []), HOST: (H[2:5], [])}, reset=True)
+    assert index.needs_resync == set()
+    assert index.prefix_by_tier("w1", H) == [GPU, GPU, HOST, HOST, HOST]
+
+
+def test_index_prefix_continues_in_the_shared_tier():
+    index = KvIndex()
+    index.apply("w1", 1, {GPU: (H[:2], [])}, reset=True)
+    index.apply(SHARED_HOLDER, 1, {SHARED: (H[:6], [])}, reset=True)
+    assert index.prefix_by_tier("w1", H) == [GPU, GPU] + [SHARED] * 4
+    assert index.prefix_by_tier("w2", H) == [SHARED] * 6
+    index.forget("w1")
+    assert index.holders(H[0]) == {(SHARED_HOLDER, SHARED)}
+
+
+def worker(registry: Registry, wid: str, running: int = 0) -> WorkerState:
+    state = WorkerState(wid, f"{wid}:1", "colocated", block_size=16, max_num_seqs=8)
+    registry.register(state)
+    registry.on_load(wid, running, 0, 0.0)
+    return state
+
+
+def test_placement_prefers_the_cheapest_tier_then_the_least_loaded():
+    registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
+    for wid in ("a", "b", "c"):
+        worker(registry, wid)
+    index.apply("a", 1, {HOST: (H, [])}, reset=True)
+    index.apply("b", 1, {GPU: (H, [])}, reset=True)
+    assert place(registry, index, policy, H, 170).worker.worker_id == "b"  # GPU beats host
+    registry.on_load("b", 8, 2, 0.0)  # b is busy: host hits on an idle worker win
+    assert place(registry, index, policy, H, 170).worker.worker_id == "a"
+    registry.on_load("a", 8, 2, 0.0)
+    assert place(registry, index, policy, H, 170).worker.worker_id == "c"  # all cold: least load
+
+
+def test_shared_hits_count_for_every_worker_and_ties_go_to_the_least_loaded():
+    registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
+    worker(registry, "a", running=3)
+    worker(registry, "b", running=1)
+    index.apply(SHARED_HOLDER, 1, {SHARED: (H, [])}, reset=True)
+    decision = place(registry, index, policy, H, 170)
+    assert decision.worker.worker_id == "b" and decision.matched_blocks == 10
+
+
+def test_placement_errors():
+    registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
+    with pytest.raises(WorkerUnavailable):
+        place(registry, index, policy, H, 170)
+    worker(registry, "a", running=16)
+    with pytest.raises(Saturated):
+        place(registry, index, policy, H, 170)
