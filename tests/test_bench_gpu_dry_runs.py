@@ -47,6 +47,7 @@ EXPECTED = {
         "kill_tiny": CUDA_ONLY,
     },
     "serving": {"ceilings": "ok", "serve": "ok", "offline": "ok", "peer": "ok"},
+    "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "workload": "ok"},
     "mla": {
         "ceilings": "ok",
         "decode_kernel": "ok",

@@ -26,23 +26,27 @@ def workers_by_role(mesh) -> dict[str, list]:
     return out
 
 
-def worker_metric(mesh, name: str, role: str | None = None) -> dict[str, float]:
-    """Per worker (of one role, if given), the sum of the samples of a metric."""
+def worker_metric(
+    mesh, name: str, role: str | None = None, where: str = ""
+) -> dict[str, float]:
+    """Per worker (of one role, if given), the sum of the samples of a metric (those
+    whose labels contain `where`, e.g. 'tier="host"')."""
     out: dict[str, float] = {}
     for w in list_workers(mesh):
         if role is not None and w.info.role != role:
             continue
-        out[w.info.worker_id] = scrape(f"http://{w.info.metrics_address}/metrics", name)
+        out[w.info.worker_id] = scrape(f"http://{w.info.metrics_address}/metrics", name, where)
     return out
 
 
-def scrape(url: str, name: str) -> float:
-    """The sum of the samples of metric `name` (every label set) at a /metrics URL."""
+def scrape(url: str, name: str, where: str = "") -> float:
+    """The sum of the samples of metric `name` (every label set containing `where`)
+    at a /metrics URL."""
     text = httpx.get(url, timeout=5).text
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and where in line
     )
 
 

@@ -23,6 +23,7 @@ SCRIPTS = (
     "pd_nccl",
     "serving",
     "mla",
+    "kvstore",
 )
 
 

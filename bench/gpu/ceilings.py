@@ -38,6 +38,18 @@ def peer_copy_bandwidth(src: int = 0, dst: int = 1, nbytes: int = 1 << 30) -> fl
     return nbytes / (ms / 1e3) / 1e9
 
 
+def pinned_copy_bandwidth(nbytes: int = 1 << 30, to_device: bool = True) -> float:
+    """GB/s of one large copy between pinned host memory and the GPU: the ceiling
+    for moving KV between the host tier and the device."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    if to_device:
+        ms = median_ms(lambda: dev.copy_(host, non_blocking=True))
+    else:
+        ms = median_ms(lambda: host.copy_(dev, non_blocking=True))
+    return nbytes / (ms / 1e3) / 1e9
+
+
 def matmul_tflops(n: int = 8192, device="cuda") -> float:
     """TFLOP/s of an n x n x n bf16 matrix product on random data."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)

@@ -19,8 +19,6 @@ of the roofline bound.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import os
 from pathlib import Path
 
 import torch
@@ -162,22 +160,8 @@ def engine_check(section: Sections, preset: str, dtype: str, sizes: dict) -> dic
     return result
 
 
-def _dry_run_interpreter() -> None:
-    """The CPU dry run runs the kernels through Triton's interpreter, with the test
-    suite's fixes for Triton 3.6's interpreter (chosen before any kernel is defined)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    path = Path(__file__).resolve().parents[2] / "tests" / "triton_interpreter.py"
-    if path.is_file():
-        spec = importlib.util.spec_from_file_location("triton_interpreter", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.fix_interpreter()
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = script_parser(__doc__).parse_args(argv)
-    if args.device == "cpu":
-        _dry_run_interpreter()
     sizes = GPU if args.device == "cuda" else CPU
     with Sections(args, script="mla") as section:
         ceilings = section("ceilings", lambda: measure(args.device))

@@ -147,6 +147,7 @@ def _serve(args) -> int:
         result_filename=args.result_filename,
         plots=args.plots,
         disable_tqdm=args.disable_tqdm,
+        cache_block_size=args.cache_block_size,
     )
     info["tokenizer"] = str(tokenizer)
     results = run_serve(cfg, requests, info)
@@ -217,6 +218,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     _add_output_args(p)
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--cache-block-size",
+        type=int,
+        default=16,
+        help="the server's KV block size, for the ideal prefix reuse reported next to its "
+        "cached tokens (token-id prompts only)",
+    )
     p.set_defaults(func=_serve)
 
     from engine.cli_args import add_engine_args

@@ -42,6 +42,7 @@ class RequestResult:
     latency: float = 0.0  # seconds, request sent to stream finished
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when reported
     start_time: float = 0.0  # time.perf_counter() when sent
     generated_text: str = ""
 
@@ -121,6 +122,8 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestR
                 if usage:
                     usage_tokens = usage.get("completion_tokens")
                     result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.latency = time.perf_counter() - start

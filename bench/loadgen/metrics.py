@@ -133,6 +133,8 @@ def per_request(results: list[RequestResult], t0: float) -> dict[str, list]:
         "start_times": [r.start_time - t0 for r in results],
         "status_codes": [r.status_code for r in results],
         "errors": [r.error for r in results],
+        "cached_tokens": [r.cached_tokens if r.success else 0 for r in results],
+        "generated_texts": [r.generated_text if r.success else None for r in results],
     }
 
 

@@ -30,6 +30,7 @@ from bench.loadgen.client import RequestInput, RequestResult, list_models, make_
 from bench.loadgen.datasets import BenchRequest
 from bench.loadgen.metrics import compute_metrics, latency_samples, per_request
 from bench.loadgen.plots import plot_cdfs, plot_sweep
+from bench.loadgen.prefix_reuse import reuse_summary
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ServeConfig:
     result_filename: str | None = None  # base name; .json added
     plots: bool = True
     disable_tqdm: bool = False
+    cache_block_size: int = 16  # for the ideal prefix reuse (token-id prompts only)
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -205,6 +207,7 @@ def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> 
                 if not r.success
             ],
             **per_request(runs, t0),
+            **reuse_summary(requests, runs, t0, cfg.cache_block_size),
             "conversation_ids": [r.conversation_id for r in requests],
             "turns": [r.turn for r in requests],
         }
@@ -239,6 +242,9 @@ _PER_REQUEST_KEYS = {
     "errors",
     "conversation_ids",
     "turns",
+    "cached_tokens",
+    "generated_texts",
+    "ideal_cached_tokens",
 }
 
 
@@ -266,6 +272,10 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
         ("Peak concurrent requests", result["max_concurrent_requests"]),
         ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
     ]
+    if result.get("ideal_cached_tokens_total"):
+        rows.append(("Cached prompt tokens", result["cached_tokens_total"]))
+        rows.append(("Ideal cached prompt tokens", result["ideal_cached_tokens_total"]))
+        rows.append(("Cached of ideal", f"{result['cached_of_ideal']:.3f}"))
     for name in ("ttft", "tpot", "itl", "e2el"):
         label = name.upper()
         rows.append((f"Mean {label} (ms)", _ms(result[f"mean_{name}_ms"])))

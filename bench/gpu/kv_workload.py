@@ -1,0 +1,114 @@
+"""The KV store's workload: multi-turn conversations through `yinian bench serve`
+(token-id prompts, so the ideal reuse is exact), once on a mesh without the store
+(device prefix cache only) and once with it (host tier, KV store, Redis, write
+through `all`), on the same device pool. Recorded per run: throughput, TTFT, the
+cached prompt tokens against the ideal, where the hits came from (device, host,
+shared tier), fragmentation sampled while it ran; and whether every greedy answer
+was the same in both runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+from bench.loadgen.cli import run as bench_run
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import worker_metric
+
+SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+           "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+           "prompt_tokens_total", "cached_tokens_total", "ideal_cached_tokens_total",
+           "cached_of_ideal", "upper_cached_tokens_total", "cached_of_upper")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    conversations: int
+    turns: int
+    system_len: int
+    user_len: int
+    output_len: int
+    concurrency: int  # conversations in flight (each one turn at a time)
+
+
+class _Sampler:
+    """Samples a worker gauge while the workload runs (its value at the end says
+    nothing: the cache is idle by then)."""
+
+    def __init__(self, mesh: Mesh, name: str, every: float = 0.5):
+        self.mesh, self.name, self.every = mesh, name, every
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.samples += list(worker_metric(self.mesh, self.name).values())
+            except Exception:  # noqa: BLE001 - a missed sample is not a result
+                pass
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        busy = [s for s in self.samples if s > 0]
+        return {"max": max(busy, default=0.0), "mean": sum(busy) / len(busy) if busy else 0.0,
+                "samples": len(busy)}  # fmt: skip
+
+
+def _serve(mesh: Mesh, folder, model: str, w: Workload, out_dir: Path, name: str) -> dict:
+    rc = bench_run([
+        "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", model,
+        "--dataset-name", "multi-turn", "--num-prompts", str(w.conversations * w.turns),
+        "--multi-turn-num-turns", str(w.turns), "--multi-turn-system-len", str(w.system_len),
+        "--multi-turn-user-len", str(w.user_len), "--multi-turn-output-len", str(w.output_len),
+        "--prompt-format", "ids", "--max-concurrency", str(w.concurrency),
+        "--request-rate", "inf", "--num-warmups", "0", "--disable-tqdm", "--no-plots",
+        "--result-dir", str(out_dir), "--result-filename", f"workload-{name}",
+    ])  # fmt: skip
+    result = json.loads((out_dir / f"workload-{name}.json").read_text())
+    result["rc"] = rc
+    return result
+
+
+def _tiers(mesh: Mesh) -> dict:
+    def total(metric: str, where: str = "") -> float:
+        return sum(worker_metric(mesh, metric, where=where).values())
+
+    queried = total("yinian:prefix_cache_queried_tokens")
+    host = total("yinian:prefix_cache_hit_tokens", 'tier="host"')
+    shared = total("yinian:kv_shared_fetched_tokens_total")
+    hits = {"gpu": total("yinian:prefix_cache_hit_tokens", 'tier="gpu"'),
+            "host": host - shared, "shared": shared}  # fmt: skip
+    return {"queried_tokens": queried, "hit_tokens": hits,
+            "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()}}  # fmt: skip
+
+
+def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs, texts = {}, {}
+    for name, store in (("off", False), ("on", True)):
+        spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=store,
+                        engine_argv=engine_argv_of(store),
+                        worker_argv=["--kv-write-through", "all"] if store else [])  # fmt: skip
+        mesh = Mesh(spec).start(timeout=1800)
+        try:
+            sampler = _Sampler(mesh, "yinian:kv_fragmentation_ratio")
+            result = _serve(mesh, folder, model, w, out_dir, name)
+            fragmentation = sampler.stop()
+            tiers = _tiers(mesh)
+        finally:
+            mesh.stop()
+        texts[name] = result["generated_texts"]
+        runs[name] = {k: result.get(k) for k in SUMMARY} | tiers | {
+            "fragmentation": fragmentation, "rc": result["rc"]}  # fmt: skip
+    differ = [i for i, (a, b) in enumerate(zip(texts["off"], texts["on"])) if a != b]
+    return runs | {
+        "workload": dataclasses.asdict(w),
+        "outputs_equal": not differ and len(texts["off"]) == len(texts["on"]),
+        "outputs_differing": differ[:20],
+    }

@@ -1,0 +1,150 @@
+"""The KV store's benchmark: the tiers' ceilings and load path, one prompt's time
+to first token with its prefix in each tier, and a multi-turn workload through
+`yinian bench serve` with the store on and off.
+
+On the GPU: llama3-8b (bf16, dummy weights), an 8k-token prefix, the workload at
+a rate near saturation. With `--device cpu` the same on tiny-llama: a dry run at
+tiny sizes, or, with `--conversations 200 --turns 5`, the CPU acceptance run
+(histories growing to about 2k tokens; the device pool holds a fraction of them).
+
+Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
+           [--skip ...] [--device cpu] [--conversations N] [--turns N]
+Sections: ceilings, host_load, ttft_by_tier, workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from bench.gpu import ceilings
+from bench.gpu.kv_tiers import host_load, ttft_by_tier
+from bench.gpu.kv_workload import Workload, run_workload
+from bench.gpu.models import preset_folder
+from bench.gpu.sections import Sections, script_parser
+from bench.loadgen.datasets import load_tokenizer, random_requests
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    preset: str
+    dtype: str
+    prefix_len: int  # the prompt of ttft_by_tier
+    device_blocks: int  # a device pool smaller than what the runs cache
+    host_gb: float
+    load_blocks: int
+    workload: Workload
+
+
+GPU = Setup("llama3-8b", "bfloat16", 8192, 2048, 16.0, 512,
+            Workload(conversations=200, turns=5, system_len=512, user_len=300,
+                     output_len=64, concurrency=64))  # fmt: skip
+DRY = Setup("tiny-llama", "float32", 400, 96, 0.02, 64,
+            Workload(conversations=6, turns=3, system_len=64, user_len=40,
+                     output_len=8, concurrency=3))  # fmt: skip
+CPU_FULL = Workload(conversations=200, turns=5, system_len=400, user_len=300,
+                    output_len=16, concurrency=8)  # fmt: skip
+
+
+def engine_argv(setup: Setup, device: str, store: bool) -> list[str]:
+    argv = [
+        "--device",
+        device,
+        "--dtype",
+        setup.dtype,
+        "--num-gpu-blocks",
+        str(setup.device_blocks),
+        "--host-kv-cache-gb",
+        str(setup.host_gb if store else 0),
+    ]
+    return argv + (["--load-format", "dummy"] if setup.preset not in ("tiny-llama",) else [])
+
+
+def tier_mesh(folder, setup: Setup, device: str) -> Mesh:
+    spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=True,
+                    engine_argv=engine_argv(setup, device, store=True),
+                    worker_argv=["--kv-write-through", "all"])  # fmt: skip
+    return Mesh(spec).start(timeout=1800)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument("--conversations", type=int)
+    parser.add_argument("--turns", type=int)
+    args = parser.parse_args(argv)
+    setup = GPU if args.device == "cuda" else DRY
+    if args.device == "cpu" and args.conversations:
+        setup = dataclasses.replace(setup, device_blocks=2048, host_gb=0.05,
+                                    workload=CPU_FULL)  # fmt: skip
+    w = dataclasses.replace(setup.workload, conversations=args.conversations
+                            or setup.workload.conversations,
+                            turns=args.turns or setup.workload.turns)  # fmt: skip
+    with Sections(args, script="kvstore", preset=setup.preset) as section:
+        device = section.device
+        folder, _ = preset_folder(section.tmp, setup.preset)
+        engine = {
+            "device": device,
+            "dtype": setup.dtype,
+            "host_kv_cache_gb": setup.host_gb,
+            "load_format": "auto" if setup.preset == "tiny-llama" else "dummy",
+        }
+        section("ceilings", lambda: _ceilings(device))
+        section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks))
+        tok = load_tokenizer(folder)
+        # enough fillers of the prompt's length to push it out of the device pool
+        count = 1 + setup.device_blocks * 16 // setup.prefix_len + 1
+        prompt, *fillers = [r.prompt for r in random_requests(
+            tok, count, setup.prefix_len, 4, seed=7, prompt_format="ids")]  # fmt: skip
+        mesh = section.resource(lambda: tier_mesh(folder, setup, device), Mesh.stop)
+        section("ttft_by_tier",
+                lambda: ttft_by_tier(mesh(), setup.preset, prompt, fillers))  # fmt: skip
+        section(
+            "workload",
+            lambda: run_workload(
+                folder,
+                setup.preset,
+                w,
+                lambda store: engine_argv(setup, device, store),
+                args.out.with_suffix(""),
+            ),
+        )
+        print_table(section.results)
+        return section.results
+
+
+def _ceilings(device: str) -> dict:
+    out = ceilings.measure(device)
+    if device == "cuda":
+        out["pinned_h2d_gbps"] = ceilings.pinned_copy_bandwidth(to_device=True)
+        out["pinned_d2h_gbps"] = ceilings.pinned_copy_bandwidth(to_device=False)
+    return out
+
+
+def print_table(results: dict) -> None:
+    c, load = results.get("ceilings") or {}, results.get("host_load") or {}
+    if "gbps" in load:
+        ceiling = c.get("pinned_h2d_gbps") or c.get("copy_gbps")
+        print(f"host tier load: {load['gbps']:.1f} GB/s ({load['blocks']} blocks), "
+              f"{load['gbps'] / ceiling:.2f} of the copy ceiling")  # fmt: skip
+    tiers = results.get("ttft_by_tier") or {}
+    if "none" in tiers:
+        for tier in ("none", "gpu", "host", "shared"):
+            row = tiers[tier]
+            print(f"TTFT, prefix {tier:6}: {row['ttft_ms']:8.1f} ms, "
+                  f"cached {row['cached_tokens']}")  # fmt: skip
+        print("speed-up over none:", json.dumps(tiers["speedup_over_none"]))
+    work = results.get("workload") or {}
+    for name in ("off", "on"):
+        if name in work:
+            r = work[name]
+            print(f"store {name:3}: {r['request_throughput']:.2f} req/s, TTFT p50 "
+                  f"{r['median_ttft_ms']:.0f} ms p99 {r['p99_ttft_ms']:.0f} ms, cached of ideal "
+                  f"{r['cached_of_ideal']:.3f}")  # fmt: skip
+    if "outputs_equal" in work:
+        print("greedy outputs equal with the store on and off:", work["outputs_equal"])
+
+
+if __name__ == "__main__":
+    main()
