@@ -19,6 +19,7 @@ from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Reservation
 from engine.engine_thread import EngineThread
+from engine.facts import EngineFacts
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -179,47 +180,19 @@ class AsyncLLM:
         before it are dropped (it includes them), later ones keep coming."""
         return await self._thread.snapshot_kv()
 
-    @property
-    def kv_block_layout(self) -> str:
-        """dtype and one block's shape across layers (a stored block must match it)."""
-        return self._engine.tiers.block_layout
-
-    @property
-    def kv_block_bytes(self) -> int:
-        return self._engine.tiers.block_bytes
-
-    @property
-    def has_host_tier(self) -> bool:
-        return self._engine.tiers.host is not None
-
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every check a request must pass; a ValueError changes nothing."""
         self._engine.validate(prompt_ids, params)
 
     @property
-    def block_size(self) -> int:
-        return self._engine.block_size
-
-    @property
-    def num_layers(self) -> int:
-        return self._engine.num_layers
+    def facts(self) -> EngineFacts:
+        """Block size, layers, device, KV layout: fixed since start-up."""
+        return self._engine.facts
 
     @property
     def kv_caches(self) -> list:
         """The KV cache, one tensor per layer: what KV transports read and write."""
         return self._engine.kv_caches
-
-    @property
-    def device(self):
-        return self._engine.device
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._engine.num_kv_blocks
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._engine.config.max_num_seqs
 
     async def _call(self, fn):
         return await self._thread.call(fn)

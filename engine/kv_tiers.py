@@ -122,11 +122,5 @@ class KVTiers:
         return out
 
     @property
-    def block_layout(self) -> str:
-        """dtype and one block's shape across layers: what a stored block must match."""
-        cache = self.kv_caches[0]
-        return f"{cache.dtype}:{len(self.kv_caches)}x{','.join(map(str, cache.shape[1:]))}"
-
-    @property
     def block_bytes(self) -> int:
         return sum(c[0].numel() * c.element_size() for c in self.kv_caches)

@@ -21,6 +21,7 @@ from basis.tokenizer import Tokenizer
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Disaggregation, Reservation
+from engine.facts import EngineFacts
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers import KVTiers
 from engine.model_runner import ModelRunner
@@ -59,6 +60,18 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.disagg = Disaggregation(self.kv, self.scheduler, self.runner.kv_caches)
         self.tiers = KVTiers(self.config, self.runner.kv_caches, self.kv)
+        cache = self.runner.kv_caches[0]
+        self.facts = EngineFacts(
+            block_size=self.config.block_size,
+            num_layers=self.model_config.num_hidden_layers,
+            num_kv_blocks=self.runner.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            device=self.runner.device,
+            kv_dtype=cache.dtype,
+            kv_block_shape=tuple(cache.shape[1:]),
+            kv_block_bytes=self.tiers.block_bytes,
+            has_host_tier=self.tiers.host is not None,
+        )
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.async_scheduling = self.config.async_scheduling
@@ -259,25 +272,9 @@ class LLMEngine:
 
     # -- what services need of the engine --------------------------------------
     @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.model_config.num_hidden_layers
-
-    @property
     def kv_caches(self) -> list:
         """One tensor per layer (see kv_cache_spec); what KV transports read and write."""
         return self.runner.kv_caches
-
-    @property
-    def device(self):
-        return self.runner.device
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.runner.num_blocks
 
     @property
     def closed(self) -> bool:

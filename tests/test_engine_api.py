@@ -39,7 +39,8 @@ def test_close_frees_weights_and_kv_cache(model_dir):
 def test_async_close_ends_streams_and_frees_memory(model_dir):
     llm = AsyncLLM.from_model(model_dir("tiny-llama"), dtype="float32", device="cpu")
     caches = _refs(llm.kv_caches)
-    assert llm.num_layers == 2 and llm.block_size == 16 and llm.num_kv_blocks > 1
+    facts = llm.facts
+    assert facts.num_layers == 2 and facts.block_size == 16 and facts.num_kv_blocks > 1
 
     async def main():
         outs = [o async for o in llm.generate([1, 2, 3], GREEDY, "r1")]

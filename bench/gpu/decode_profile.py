@@ -63,7 +63,7 @@ def kernel_times(prof, cuda: bool) -> dict[str, list[float]]:
 
 
 def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
-    engine, cuda = llm.engine, llm.engine.device.type == "cuda"
+    engine, cuda = llm.engine, llm.engine.facts.device.type == "cuda"
     start_decode(llm, batch, context, steps * 2)
     sync(llm)
     start = time.perf_counter()

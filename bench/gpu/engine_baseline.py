@@ -47,7 +47,7 @@ def model_figures(llm: LLM, ceiling: dict) -> dict:
     weight_bytes = llm.engine.model_config.num_parameters() * 2
     return {
         "weight_bytes": weight_bytes,
-        "kv_blocks": llm.engine.num_kv_blocks,
+        "kv_blocks": llm.engine.facts.num_kv_blocks,
         "batch1_bandwidth_floor_tokens_per_s": ceiling["copy_gbps"] * 1e9 / weight_bytes,
     }
 

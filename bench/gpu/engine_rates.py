@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 
 
 def sync(llm: LLM) -> None:
-    if llm.engine.device.type == "cuda":
+    if llm.engine.facts.device.type == "cuda":
         torch.cuda.synchronize()
 
 

@@ -41,7 +41,7 @@ def host_load(folder, engine: dict, blocks: int) -> dict:
             host.load(pairs)
             host.poll(llm.engine.kv.pool, wait=True)
 
-        ms = median_ms(load, str(llm.engine.device.type))
+        ms = median_ms(load, str(llm.engine.facts.device.type))
         nbytes = blocks * host.bytes_per_block
         return {"blocks": blocks, "bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6}
     finally:

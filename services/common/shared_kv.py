@@ -50,7 +50,7 @@ class SharedKv:
         self.client = client
         self.worker_id = worker_id
         self.policy = policy
-        self.block_size = engine.block_size
+        self.block_size = engine.facts.block_size
         self.stats = SharedKvStats()
         self._written: OrderedDict[int, None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
@@ -67,7 +67,7 @@ class SharedKv:
     async def _prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int) -> int:
         limit = (len(prompt_ids) - 1) // self.block_size  # one token is always computed
         hashes = hash_prompt_blocks(prompt_ids, self.block_size, tenant, public_tokens)[:limit]
-        if not hashes or not self.engine.has_host_tier:
+        if not hashes or not self.engine.facts.has_host_tier:
             return 0
         head = prompt_ids[: limit * self.block_size]
         local = await self.engine.cached_prefix_blocks(head, tenant, public_tokens)
@@ -82,7 +82,7 @@ class SharedKv:
         checked = []
         for i, (block_hash, parent, data) in enumerate(blocks):
             expected_parent = hashes[local + i - 1] if local + i > 0 else 0
-            if parent != expected_parent or len(data) != self.engine.kv_block_bytes:
+            if parent != expected_parent or len(data) != self.engine.facts.kv_block_bytes:
                 self.stats.rejected_blocks += 1
                 metrics.KV_SHARED_REJECTED.labels(worker=self.worker_id).inc()
                 logger.warning("shared block %x does not fit this prompt; recomputing", block_hash)

@@ -40,13 +40,13 @@ def model_fingerprint(model: str, engine: AsyncLLM):
     path = Path(model)
     config = path / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else ""
-    cache = engine.kv_caches[0]
+    facts = engine.facts
     return fingerprint(
         f"{path.name}-{digest}",
-        str(cache.dtype).removeprefix("torch."),
-        engine.block_size,
-        "x".join(map(str, cache.shape[1:])),
-        engine.num_layers,
+        str(facts.kv_dtype).removeprefix("torch."),
+        facts.block_size,
+        "x".join(map(str, facts.kv_block_shape)),
+        facts.num_layers,
     )
 
 
@@ -58,18 +58,19 @@ class WorkerHost:
         self.server = GrpcServer(config.host, config.port)
         self.address = f"{config.address_host}:{self.server.port}"
         metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
+        facts = self.engine.facts
         self.info = scheduler_pb2.WorkerInfo(
             worker_id=config.worker_id,
             address=self.address,
             role=config.role,
             model=config.model,
-            block_size=self.engine.block_size,
-            max_num_seqs=self.engine.max_num_seqs,
-            kv_blocks_total=self.engine.num_kv_blocks,
+            block_size=facts.block_size,
+            max_num_seqs=facts.max_num_seqs,
+            kv_blocks_total=facts.num_kv_blocks,
             metrics_address=f"{config.address_host}:{metrics_port}",
-            transports=config.transports(self.engine.device.type),
+            transports=config.transports(facts.device.type),
             host=config.address_host,
-            device=str(self.engine.device),
+            device=str(facts.device),
         )
         self.reports = WorkerReports(self.engine, config.worker_id)
         self.shared: SharedKv | None = None

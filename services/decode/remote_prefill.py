@@ -76,7 +76,7 @@ class RemotePrefill:
         self.lease_seconds = lease_seconds
         self.timeout = timeout
         self.receivers = ReceiverSet(engine.kv_caches, endpoint["host"])
-        self.num_layers = engine.num_layers
+        self.num_layers = engine.facts.num_layers
 
     async def run(
         self,

@@ -14,7 +14,7 @@ from services.prefill.servicer import PrefillServicer
 
 async def run(config: PrefillConfig) -> None:
     host = WorkerHost(config, "yinian-prefill")
-    senders = SenderSet(host.engine.device, asyncio.get_running_loop())
+    senders = SenderSet(host.engine.facts.device, asyncio.get_running_loop())
     host.on_close(senders.close)
     core = PrefillCore(host.engine, senders.get, host.shared)
     host.serve(

@@ -85,7 +85,7 @@ class PrefillCore:
         self.engine = engine
         self.sender_for = sender_for  # transport name -> its sender
         self.shared = shared  # the shared KV tier, when the mesh has a KV store
-        self.num_layers = engine.num_layers
+        self.num_layers = engine.facts.num_layers
 
     async def prefill(
         self,
