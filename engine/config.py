@@ -58,6 +58,10 @@ class EngineConfig:
         "auto", "auto (Triton on CUDA, torch on CPU), triton or torch", choices=_KERNELS
     )
     enforce_eager: bool = setting(False, "no CUDA graphs")
+    tensor_parallel_size: int = setting(
+        1, "ranks a layer's weights are split over (one process and device each)"
+    )
+    pipeline_parallel_size: int = setting(1, "stages the layers are split over")
     # Run every prefill shape bucket once at start-up (CUDA kernels only), so that
     # no request waits for kernel compilation or autotuning.
     warmup: bool = setting(True, "run every prefill shape once at start-up (CUDA)")
@@ -65,6 +69,19 @@ class EngineConfig:
     # overlaps device work (None: on for CUDA, off on CPU where nothing overlaps).
     async_scheduling: bool | None = setting(
         None, "queue each step before reading the last one back (default: on for CUDA)"
+    )
+    # Ping-pong: one micro-batch's attention runs while another's tokens are with
+    # the experts (pays with expert services; engine/micro_batch.py).
+    micro_batches: int = setting(
+        1, "split a step into this many micro-batches when it has enough tokens (1: off)"
+    )
+    micro_batch_decode_tokens: int = setting(32, "an all-decode step splits from this many tokens")
+    micro_batch_prefill_tokens: int = setting(512, "any other step splits from this many tokens")
+    # Benchmarks only: skews routing so expert balancing has something to balance.
+    router_skew: float = setting(
+        0.0,
+        "adds s*log(1/rank) to each MoE router's logits, ranks a seeded per-layer "
+        "shuffle of the experts: Zipf-shaped expert load (0: off)",
     )
 
     def __post_init__(self) -> None:
@@ -80,9 +97,16 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "pipeline_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.micro_batch_decode_tokens < 1 or self.micro_batch_prefill_tokens < 1:
+            raise ValueError("micro-batch token thresholds must be >= 1")
+        if self.router_skew < 0:
+            raise ValueError(f"router_skew must be >= 0, got {self.router_skew}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
         if self.host_kv_cache_gb is not None and self.host_kv_cache_gb < 0:

@@ -5,6 +5,10 @@ checking every tensor's name and shape; anything missing, unexpected or of the
 wrong shape is a ValueError naming it. `dummy`: seeded random weights made
 directly on the device (vLLM's benchmarking mode), so a large model needs no
 file. The random distribution is the one `make-model` writes.
+
+With tensor parallelism (a `ShardPlan`), a rank reads only its part of each
+tensor; dummy tensors are made whole and then cut, so ranks hold exactly the
+parts of the weights one unsharded engine would.
 """
 
 from __future__ import annotations
@@ -47,11 +51,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                index = shard.index(name, tuple(part.get_shape()))
+                yield name, part[index] if index else part[:]
 
 
 def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype) -> torch.Tensor:
@@ -103,7 +112,9 @@ def load_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
+    shard=None,
 ) -> CausalLM:
+    """`config` is what the model is built from (a rank's, with a `shard`)."""
     if load_format != "dummy":
         if model_dir is None:
             raise ValueError("a model folder is required unless load_format='dummy'")
@@ -116,10 +127,16 @@ def load_model(
         generator.manual_seed(seed)
         for hf_name, target in targets.items():
             view = target.view(params[target.param])
-            view.copy_(random_tensor(hf_name, view.shape, generator, device, view.dtype))
+            if shard is None:
+                view.copy_(random_tensor(hf_name, view.shape, generator, device, view.dtype))
+                continue
+            shape = shard.full_shape(hf_name, tuple(view.shape))
+            whole = random_tensor(hf_name, shape, generator, device, view.dtype)
+            index = shard.index(hf_name, shape)
+            view.copy_(whole[index] if index else whole)
         return model
     seen: set[str] = set()
-    for name, tensor in iter_safetensors(files):
+    for name, tensor in iter_safetensors(files, shard):
         target = targets.get(name)
         if target is None:
             if (

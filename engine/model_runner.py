@@ -14,8 +14,16 @@ import torch
 from basis.model_config import ModelConfig
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.grammar import start_masks
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
+from engine.moe_settings import apply_moe_settings
+from engine.parallel import state as parallel_state
+from engine.parallel import step_wire
+from engine.parallel.comm import agree_min
+from engine.parallel.launcher import Followers, config_options
+from engine.parallel.sharding import ShardPlan
+from engine.parallel.step_wire import StepShape
 from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
 from kernels import ops
@@ -56,9 +64,25 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
+        # A parallel engine: rank 0 (this process, unless a follower made it) starts
+        # the other ranks; every rank builds only its shard of the model.
+        self.followers = None
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if world > 1 and parallel_state.current().world_size == 1:
+            self.followers = Followers(
+                config_options(config), model_dir, config.tensor_parallel_size,
+                config.pipeline_parallel_size, self.device,
+            )  # fmt: skip
+        state = parallel_state.current()
+        self.parallel = state.world_size > 1
+        self.shard = ShardPlan(model_config, state.tp_size, state.tp_rank)
+        shard_config = self.shard.config
         self.model = load_model(
-            model_dir, model_config, self.device, self.dtype, config.load_format, config.seed
-        )
+            model_dir, shard_config, self.device, self.dtype, config.load_format, config.seed,
+            shard=self.shard if self.parallel else None,
+        )  # fmt: skip
+        self.model.full_vocab_size = model_config.vocab_size
+        apply_moe_settings(self.model, config)
         self.kernel_mode = config.kernels
         if config.kernels == "auto":
             self.kernel_mode = "triton" if self.device.type == "cuda" else "torch"
@@ -67,8 +91,10 @@ class ModelRunner:
 
             register()
         self.backend = get_backend(self.kernel_mode)
-        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
+        self.kv_spec = KVCacheSpec.for_model(shard_config, self.block_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
+        if self.parallel:  # every rank's cache has the same blocks: the fewest that fit
+            self.num_blocks = agree_min(self.num_blocks, self.device)
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -80,6 +106,8 @@ class ModelRunner:
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
         self.graphs = None
         max_len = model_config.context_length(config.max_model_len)
+        if self.parallel:  # the other ranks step only when rank 0 sends them a step
+            return
         if config.warmup and self.device.type == "cuda" and self.kernel_mode == "triton":
             from engine.warmup import warm_up
 
@@ -95,12 +123,24 @@ class ModelRunner:
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
 
+    def set_expert_backend(self, experts) -> None:
+        """Where the routed experts run from the next step on (engine/expert_backend.py);
+        a backend CUDA graphs cannot capture turns the graphs off."""
+        if self.parallel:
+            raise ValueError("expert services need tensor and pipeline parallel sizes of 1")
+        self.model.set_expert_backend(experts)
+        if not experts.graph_safe:
+            self.graphs = None
+
     def close(self) -> None:
         """Frees the device memory: graphs, weights and the KV cache (the list is
         emptied in place, so every holder of it lets go)."""
         self.graphs = None
         self.model = None
         self.kv_caches.clear()
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -137,11 +177,11 @@ class ModelRunner:
         known = [
             min(n, len(s.all_token_ids) - s.num_computed_tokens) for s, n in zip(seqs, num_new)
         ]
-        num_pending = total - sum(known)
+        sampled = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new)]
+        shape = StepShape(total, batch, total - sum(known), max_blocks, sum(sampled))
         # int64: ids, positions, slots, sample rows, pending rows, their sources; int32:
         # query starts, sequence lengths, block tables. Segments start 16-byte aligned.
-        wide = _Layout([total, total, total, batch, num_pending, num_pending], 2)
-        narrow = _Layout([batch + 1, batch, batch * max_blocks], 4)
+        wide, narrow = shape.wide, shape.narrow
         pin = self.device.type == "cuda"
         h64 = torch.empty(wide.size, dtype=torch.int64, pin_memory=pin)
         h32 = torch.zeros(narrow.size, dtype=torch.int32, pin_memory=pin)
@@ -150,7 +190,7 @@ class ModelRunner:
         tables = tables.reshape(batch, max_blocks)
         sample_seqs: list[Sequence] = []
         source = None  # the in-flight step's sampled tokens (async scheduling)
-        start = num_sampled = p = 0
+        start = p = 0
         for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
             c = seq.num_computed_tokens
             ids[start : start + k] = seq.all_token_ids[c : c + k]
@@ -167,27 +207,21 @@ class ModelRunner:
             seq_lens[i] = c + n
             start += n
             query_start[i + 1] = start
-            if c + n == seq.num_tokens:
-                rows[num_sampled] = start - 1
-                num_sampled += 1
+            if sampled[i]:
+                rows[len(sample_seqs)] = start - 1
                 sample_seqs.append(seq)
         row_of = np.repeat(np.arange(batch), num_new)
         slots[:] = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         d64, d32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
-        ids_d, pos_d, slots_d, rows_d, pend_rows_d, pend_src_d = wide.views(d64)
-        query_start_d, seq_lens_d, tables_d = narrow.views(d32)
+        ids_d, _, _, _, pend_rows_d, pend_src_d = wide.views(d64)
         if source is not None:
             ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
-        meta = AttentionMetadata(
-            slot_mapping=slots_d,
-            query_start_loc=query_start_d,
-            seq_lens=seq_lens_d,
-            block_tables=tables_d.view(batch, max_blocks),
-            query_lens_cpu=list(num_new),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return StepInputs(ids_d, pos_d, meta, rows_d[:num_sampled], sample_seqs)
+        if self.followers is not None:  # the other ranks run the same step
+            self.followers.check()
+            step_wire.send(shape, d64, d32)
+        t = step_wire.unpack(shape, d64, d32, num_new, seq_lens.tolist())
+        return StepInputs(t.input_ids, t.positions, t.meta, t.sample_rows, sample_seqs)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -207,8 +241,10 @@ class ModelRunner:
         force_eager: bool = False,
     ) -> PendingSample | None:
         """Queues the step on the device and returns its sampled tokens, not yet read
-        back (None when no sequence samples this step)."""
+        back (None when no sequence samples this step). Grammar masks are computed
+        on a worker thread while the model runs."""
         inputs = self.prepare(seqs, num_new, block_tables)
+        masks = start_masks(inputs.sample_seqs)
         batch = len(seqs)
         if (
             self.graphs is not None
@@ -222,25 +258,10 @@ class ModelRunner:
                 return None
             if len(inputs.sample_seqs) < batch:  # a one-token prompt chunk samples nothing
                 logits = logits.index_select(0, inputs.sample_rows)
-            return self.sampler.launch(logits, inputs.sample_seqs)
+            return self.sampler.launch(logits, inputs.sample_seqs, masks)
         hidden = self.forward(inputs)
         if not inputs.sample_seqs:
             return None
         with ops.using(self.kernel_mode):
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-        return self.sampler.launch(logits, inputs.sample_seqs)
-
-
-class _Layout:
-    """Consecutive segments of one flat buffer, each starting `align` elements apart."""
-
-    def __init__(self, lengths: list[int], align: int):
-        self.bounds = []
-        at = 0
-        for n in lengths:
-            self.bounds.append((at, at + n))
-            at += -(-n // align) * align
-        self.size = max(at, 1)
-
-    def views(self, buffer):
-        return [buffer[a:b] for a, b in self.bounds]
+        return self.sampler.launch(logits, inputs.sample_seqs, masks)

@@ -15,7 +15,10 @@ from torch import nn
 
 from basis.model_config import ModelConfig
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.expert_backend import LOCAL_EXPERTS, ExpertBackend
+from engine.micro_batch import MicroBatchPolicy, run_micro_batches
 from engine.models.rotary import cos_sin_table
+from engine.parallel import comm
 from kernels import ops
 
 
@@ -60,7 +63,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary_cache_write(q, k, v, positions, cos_sin, cache, meta.slot_mapping)
         o = backend.attend(q, k, v, cache, meta, self.scale)
-        return F.linear(o.reshape(-1, self.q_size), self.o_proj)
+        return comm.tp_reduce(F.linear(o.reshape(-1, self.q_size), self.o_proj))
 
 
 class MLP(nn.Module):
@@ -70,7 +73,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, width))
 
     def forward(self, x):
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        out = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return comm.tp_reduce(out)
 
 
 class SparseMoE(nn.Module):
@@ -87,17 +91,30 @@ class SparseMoE(nn.Module):
         # Tokens routed to each expert since the counter was last read; the
         # expert-balancing services read it.
         self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
+        self.layer_index = -1  # set by the DecoderLayer
+        self.experts: ExpertBackend = LOCAL_EXPERTS  # where the routed experts run
+        self.router_bias = None  # benchmarks only: a skew added to the router logits
 
     def route(self, x):
         """(weights [T, k], expert ids [T, k]) of each token."""
-        return ops.moe_route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        return ops.moe_route(self.skewed(F.linear(x, self.gate)), self.top_k, self.renormalize)
+
+    def skewed(self, logits):
+        return logits if self.router_bias is None else logits + self.router_bias
 
     def forward(self, x):
+        return self.combine(self.dispatch(x))
+
+    def dispatch(self, x):
+        """Routes the tokens and sends them to their experts; `combine` collects."""
         weights, ids = self.route(x)
         # index_add_ (not bincount) keeps this free of host syncs, so it can be graph-captured.
         flat = ids.reshape(-1)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return self.experts.dispatch(self, x, weights, ids)
+
+    def combine(self, handle):
+        return comm.tp_reduce(self.experts.combine(handle))
 
 
 class DecoderLayer(nn.Module):
@@ -112,6 +129,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = MLAttention(config, RMSNorm)
             if config.is_moe_layer(index):
                 self.mlp = DeepseekMoE(config)
+                self.mlp.layer_index = index
             else:
                 self.mlp = MLP(config.hidden_size, config.intermediate_size)
             return
@@ -120,16 +138,22 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(config)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if isinstance(self.mlp, SparseMoE):
+            self.mlp.layer_index = index
 
     def forward(self, x, residual, positions, cos_sin, cache, meta, backend):
+        h, residual = self.attend(x, residual, positions, cos_sin, cache, meta, backend)
+        return self.mlp(h), residual
+
+    def attend(self, x, residual, positions, cos_sin, cache, meta, backend):
+        """Everything before the MLP: norms, attention, the residual add."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, cos_sin, cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.post_attention_layernorm.add_forward(h, residual)
 
 
 class CausalLM(nn.Module):
@@ -146,8 +170,11 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
+        self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
         # Called with a layer's index right after it ran (KV handoff), when set.
         self.layer_hook = None
+        self.experts: ExpertBackend = LOCAL_EXPERTS
+        self.micro_batching: MicroBatchPolicy | None = None  # ping-pong micro-batches
         self._fp32_logits = True
 
     def forward(
@@ -158,26 +185,55 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Returns the final hidden states, [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        """Returns the final hidden states, [T, hidden]. A step with enough tokens
+        runs as micro-batches (`micro_batch.py`) when the policy is set."""
+        parts = None
+        if self.micro_batching is not None and not _capturing(input_ids):
+            parts = self.micro_batching.split(meta)
+        self.experts.begin_step()
+        try:
+            return run_micro_batches(self, input_ids, positions, kv_caches, meta, backend, parts)
+        finally:
+            self.experts.end_step()
+
+    def layer_stream(self, input_ids, positions, kv_caches, meta, backend, layer_done):
+        """A generator over the layers of one (micro-)batch that yields while its
+        tokens are with the experts; returns the final hidden states."""
+        x = comm.vocab_embedding(input_ids, self.embed_tokens, self.full_vocab_size)
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, backend)
-            if self.layer_hook is not None:
-                self.layer_hook(i)
+            h, residual = layer.attend(x, residual, positions, self.cos_sin, cache, meta, backend)
+            if isinstance(layer.mlp, SparseMoE):
+                sent = layer.mlp.dispatch(h)
+                yield
+                x = layer.mlp.combine(sent)
+            else:
+                x = layer.mlp(h)
+            layer_done(i)
         x, _ = self.norm.add_forward(x, residual)
         return x
+
+    def set_expert_backend(self, experts: ExpertBackend) -> None:
+        """Where every MoE layer's routed experts run from the next step on."""
+        self.experts = experts
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.experts = experts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA with 16-bit weights the product accumulates into
         float32 directly, so two candidates are not tied merely because their logits
         round to the same bf16 value (greedy choices then compare across kernels)."""
+        logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32 and self._fp32_logits:
             try:
-                return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
+                logits = torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
             except (RuntimeError, TypeError):  # an older torch: round through bf16
                 self._fp32_logits = False
-        return F.linear(hidden, self.lm_head).float()
+        if logits is None:
+            logits = F.linear(hidden, self.lm_head).float()
+        # tensor parallel: each rank has a slice of the vocabulary; the first samples
+        return comm.gather_logits(logits, self.full_vocab_size)
 
     def expert_load(self) -> torch.Tensor | None:
         """Per MoE layer, tokens routed to each expert since the last call; resets."""
@@ -188,3 +244,8 @@ class CausalLM(nn.Module):
         for load in loads:
             load.zero_()
         return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Inside a CUDA graph capture (which records one whole-batch schedule)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()

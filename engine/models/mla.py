@@ -27,6 +27,7 @@ from torch import nn
 from basis.model_config import ModelConfig
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.mla_prefix import prefix_latents
+from engine.parallel import comm
 from kernels import ops
 
 # transformers builds q_a_layernorm and kv_a_layernorm with their default eps,
@@ -82,7 +83,7 @@ class MLAttention(nn.Module):
         else:
             q = torch.cat([q_nope, q_pe], dim=-1)
             out = self._expanded(q, latent, k_pe, cache, meta, backend)
-        return F.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj)
+        return comm.tp_reduce(F.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj))
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank]: views of kv_b_proj."""

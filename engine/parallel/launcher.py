@@ -1,0 +1,88 @@
+"""Rank 0's side of a parallel engine: it starts one process per other rank
+(`python -m engine.parallel.follower`), joins the process group with them, and
+watches them. A rank that dies makes the engine unusable (its peers would wait
+on it): `on_failure` is called once (a worker process exits, so its streams
+move to another worker), and every later step fails."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.parallel import state as parallel_state
+from engine.parallel import step_wire
+
+logger = logging.getLogger(__name__)
+
+
+def config_options(config) -> dict:
+    """An EngineConfig as the options a follower rebuilds it from."""
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Followers:
+    def __init__(self, options: dict, model_dir: str | Path, tp: int, pp: int, device):
+        self.device = torch.device(device)
+        self.store = f"127.0.0.1:{_free_port()}"
+        self.on_failure: Callable[[str], None] | None = None
+        self.failed: str | None = None
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, tp * pp):
+            env = dict(os.environ)
+            if self.device.type == "cuda":  # one GPU per rank, its own first
+                visible = env.get("CUDA_VISIBLE_DEVICES", "")
+                ids = visible.split(",") if visible else [str(i) for i in range(tp * pp)]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[rank:] + ids[:rank])
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank),
+                 "--tp", str(tp), "--pp", str(pp), "--store", self.store,
+                 "--model", str(model_dir), "--options", json.dumps(options)],
+                env=env, start_new_session=True,
+            ))  # fmt: skip
+        parallel_state.initialize(tp, pp, 0, self.store, self.device)
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="rank-watch").start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for rank, proc in enumerate(self.procs, 1):
+                code = proc.poll()
+                if code is not None and self.failed is None:
+                    self.failed = f"tensor/pipeline rank {rank} exited with {code}"
+                    logger.error("%s: the engine cannot step any more", self.failed)
+                    if self.on_failure is not None:
+                        self.on_failure(self.failed)
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.failed is None:
+            try:
+                step_wire.send_stop(self.device)
+            except Exception:  # noqa: BLE001 - a rank gone already; kill below
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        parallel_state.shutdown()
