@@ -184,6 +184,11 @@ class AsyncLLM:
         """Every check a request must pass; a ValueError changes nothing."""
         self._engine.validate(prompt_ids, params)
 
+    def on_fatal(self, callback) -> None:
+        """`callback(reason)` when the engine can never step again (a rank of a parallel
+        engine died): a worker exits, so its streams move to another worker."""
+        self._engine.runner.on_fatal(callback)
+
     @property
     def facts(self) -> EngineFacts:
         """Block size, layers, device, KV layout: fixed since start-up."""

@@ -20,6 +20,8 @@ class EngineFacts:
     kv_block_shape: tuple[int, ...]  # one block of one layer
     kv_block_bytes: int  # one block across every layer
     has_host_tier: bool
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def kv_block_layout(self) -> str:

@@ -22,6 +22,7 @@ from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.disaggregation import Disaggregation, Reservation
 from engine.facts import EngineFacts
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers import KVTiers
 from engine.model_runner import ModelRunner
@@ -71,6 +72,8 @@ class LLMEngine:
             kv_block_shape=tuple(cache.shape[1:]),
             kv_block_bytes=self.tiers.block_bytes,
             has_host_tier=self.tiers.host is not None,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
         )
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
@@ -78,6 +81,7 @@ class LLMEngine:
         if self.async_scheduling is None:  # default: on where the device runs apart
             self.async_scheduling = self.runner.device.type == "cuda"
         self._inflight: Step | None = None  # queued on the device, not yet read back
+        self._grammars: GrammarCompiler | None = None  # made by the first structured output
 
     # -- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -88,6 +92,17 @@ class LLMEngine:
         check_request(
             prompt_ids, params, self.model_config, self.max_model_len, self.tokenizer, self.kv
         )
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiled grammars over this model's tokenizer."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.model_dir, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def add_request(
         self,
@@ -157,6 +172,8 @@ class LLMEngine:
             generator=generator,
         )
         seq.text_stream = TextStream(self.tokenizer, params)
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.start(params.structured_output)
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

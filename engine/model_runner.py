@@ -132,6 +132,10 @@ class ModelRunner:
         if not experts.graph_safe:
             self.graphs = None
 
+    def on_fatal(self, callback) -> None:
+        if self.followers is not None:
+            self.followers.on_failure = callback
+
     def close(self) -> None:
         """Frees the device memory: graphs, weights and the KV cache (the list is
         emptied in place, so every holder of it lets go)."""

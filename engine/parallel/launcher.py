@@ -29,6 +29,16 @@ def config_options(config) -> dict:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
+def _die_with_parent() -> None:
+    """A rank outlives no engine: SIGKILL when rank 0's process ends (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +62,7 @@ class Followers:
                 [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank),
                  "--tp", str(tp), "--pp", str(pp), "--store", self.store,
                  "--model", str(model_dir), "--options", json.dumps(options)],
-                env=env, start_new_session=True,
+                env=env, start_new_session=True, preexec_fn=_die_with_parent,
             ))  # fmt: skip
         parallel_state.initialize(tp, pp, 0, self.store, self.device)
         self._stop = threading.Event()

@@ -40,6 +40,7 @@ class Decision:
     worker: WorkerState
     matched_blocks: int
     prefill: WorkerState | None = None
+    refused_prefills: int = 0  # ready prefill workers whose KV layout differs
 
 
 def prompt_cost(
@@ -97,6 +98,12 @@ def place(
             for w in registry.ready("prefill")
             if w.worker_id not in exclude and w.load < policy.capacity(w)
         ]
+        # A prefill worker whose KV blocks are laid out otherwise (another tensor-parallel
+        # size, dtype or model) cannot fill this worker's cache: never paired, the prompt
+        # is prefilled by its decode worker instead.
+        compatible = [w for w in prefills if w.kv_layout == best.kv_layout]
+        decision.refused_prefills = len(prefills) - len(compatible)
+        prefills = compatible
         if prefills:
             decision.prefill = _best(prefills, index, policy, block_hashes, prompt_tokens)
             decision.prefill.pending += 1

@@ -22,6 +22,8 @@ class WorkerState:
     transports: list[str] = field(default_factory=list)
     metrics_address: str = ""
     model: str = ""
+    kv_layout: str = ""  # a handoff needs equal layouts on both ends
+    info: object = None  # the WorkerInfo it registered with, as ListWorkers shows it
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     running: int = 0
@@ -58,6 +60,12 @@ class Registry:
         state.running, state.waiting, state.kv_usage = running, waiting, kv_usage
         state.pending = 0
         return True
+
+    def touch_all(self) -> None:
+        """Counts every worker as just heard from (heartbeats cannot arrive now)."""
+        now = self.clock()
+        for state in self.workers.values():
+            state.last_seen = now
 
     def is_ready(self, state: WorkerState) -> bool:
         return self.clock() - state.last_seen <= self.heartbeat_timeout

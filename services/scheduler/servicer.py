@@ -40,6 +40,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             transports=list(request.transports),
             metrics_address=request.metrics_address,
             model=request.model,
+            kv_layout=request.kv_layout,
+            info=request,
         )
         if self.registry.register(state):
             self.index.forget(state.worker_id)  # a restart: its old cache is gone
@@ -78,6 +80,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 span.set_attribute("yinian.placement_error", str(exc))
                 raise
             metrics.PLACEMENTS.labels(outcome="placed").inc()
+            if decision.refused_prefills and decision.prefill is None:
+                metrics.PLACEMENTS.labels(outcome="prefill_layout_mismatch").inc()
+                span.set_attribute("yinian.prefill_refused", "KV layouts differ")
             span.set_attribute("yinian.worker_id", decision.worker.worker_id)
             span.set_attribute("yinian.matched_blocks", decision.matched_blocks)
             out = scheduler_pb2.Placement(
@@ -97,18 +102,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for w in self.registry.workers.values():
             out.workers.append(
                 scheduler_pb2.WorkerStatus(
-                    info=scheduler_pb2.WorkerInfo(
-                        worker_id=w.worker_id,
-                        address=w.address,
-                        role=w.role,
-                        model=w.model,
-                        block_size=w.block_size,
-                        max_num_seqs=w.max_num_seqs,
-                        kv_blocks_total=w.kv_blocks_total,
-                        metrics_address=w.metrics_address,
-                        transports=w.transports,
-                        host=w.host,
-                    ),
+                    info=w.info,
                     ready=self.registry.is_ready(w),
                     seconds_since_report=now - w.last_seen,
                     num_requests_running=w.running,

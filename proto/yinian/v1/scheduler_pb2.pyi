@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "block_size", "max_num_seqs", "kv_blocks_total", "metrics_address", "transports", "host", "device")
+    __slots__ = ("worker_id", "address", "role", "model", "block_size", "max_num_seqs", "kv_blocks_total", "metrics_address", "transports", "host", "device", "kv_layout", "tensor_parallel_size", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class WorkerInfo(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -30,7 +33,10 @@ class WorkerInfo(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[str]
     host: str
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_layout: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_seconds", "nats_subject_prefix")

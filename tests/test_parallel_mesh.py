@@ -1,0 +1,94 @@
+"""Tensor-parallel workers in the mesh, real processes on loopback: a TP = 2 worker
+answers through the gateway as one worker; a rank that dies takes its worker
+down and the worker's streams finish on another; a prefill worker whose KV
+layout differs from its decode worker's is never paired with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_hf_parity import random_prompts
+
+from engine import LLM, SamplingParams
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import gateway_metric, scrape
+
+CPU = ["--device", "cpu", "--dtype", "float32"]
+
+
+def complete(mesh, prompt, max_tokens=12):
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    resp = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(model_dir("tiny-llama"), device="cpu", dtype="float32")
+
+
+def expected(reference, prompt, max_tokens=12):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return reference.generate([prompt], params)[0].outputs[0].text
+
+
+def followers_of(pid: int) -> list[int]:
+    """The tensor-parallel ranks a worker process started."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"engine.parallel" in cmd:
+                out.append(int(entry.name))
+    return out
+
+
+def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=free_port(),
+                    engine_argv=[*CPU, "--tensor-parallel-size", "2"])  # fmt: skip
+    with Mesh(spec) as mesh:
+        prompts = random_prompts(500, (5, 30, 64), seed=150)
+        for prompt in prompts:  # a TP = 2 worker through the gateway
+            assert complete(mesh, prompt) == expected(reference, prompt)
+        worker = mesh.child("worker-0").proc.pid
+        ranks = followers_of(worker)
+        assert len(ranks) == 1
+        streams = random_prompts(500, [20] * 8, seed=151)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(complete, mesh, p, 60) for p in streams]
+            time.sleep(1.5)  # mid-stream
+            os.kill(ranks[0], signal.SIGKILL)
+            texts = [f.result(timeout=120) for f in futures]
+        assert texts == [expected(reference, p, 60) for p in streams]
+        assert mesh.child("worker-0").proc.wait(timeout=10) == 70  # it left, unhealthy
+        assert gateway_metric(mesh, "yinian:request_migrations_total") >= 1
+
+
+def test_a_prefill_worker_of_another_layout_is_never_paired(model_dir, reference):
+    metrics_port = free_port()
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=0, prefill=1, decode=1,
+                    port=free_port(),
+                    engine_argv=CPU,
+                    role_argv={"prefill": ["--tensor-parallel-size", "2"]},
+                    scheduler_argv=["--disagg-min-tokens", "16",
+                                    "--metrics-port", str(metrics_port)])  # fmt: skip
+    with Mesh(spec) as mesh:
+        prompts = random_prompts(500, (40, 90), seed=152)
+        for prompt in prompts:  # long enough to be handed off, were the layouts equal
+            assert complete(mesh, prompt) == expected(reference, prompt)
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        refused = scrape(url, "yinian:placements_total", 'outcome="prefill_layout_mismatch"')
+        assert refused == len(prompts)
