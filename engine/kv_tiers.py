@@ -40,7 +40,11 @@ class KVTiers:
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
-        if config.enable_prefix_caching:  # without it nothing could ever hit the host tier
+        # Without prefix caching nothing could ever hit the host tier. A parallel engine's
+        # rank 0 holds only its part of each block (its heads, its stage's layers), so
+        # the tiers below the device, which would move only that part, are off there.
+        parallel = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+        if config.enable_prefix_caching and not parallel:
             num_blocks = HostTier.blocks_for(kv_caches, host_tier_gb(config))
             if num_blocks >= 1:
                 self.host = HostTier(kv_caches, num_blocks)

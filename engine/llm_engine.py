@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.stats import engine_stats
-from engine.stepping import Step, complete, launch
+from engine.stepping import Step, complete, launch, pipelined
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,11 @@ class LLMEngine:
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # default: on where the device runs apart
             self.async_scheduling = self.runner.device.type == "cuda"
+        # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
+        self.pipeline_depth = self.config.pipeline_parallel_size
+        self.pipeline: deque[Step] = deque()
+        if self.pipeline_depth > 1:
+            self.async_scheduling = False
         self._inflight: Step | None = None  # queued on the device, not yet read back
         self._grammars: GrammarCompiler | None = None  # made by the first structured output
 
@@ -195,7 +201,9 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether a step would do anything (reserved remote prefills wait outside)."""
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return (
+            self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.pipeline)
+        )
 
     # -- stepping ------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -206,6 +214,10 @@ class LLMEngine:
         the next call, after that call has queued its own step: the host work of
         one step (outputs, scheduling, inputs) overlaps the device work of the
         next. Each sequence's next input token then comes from the device."""
+        if self.pipeline_depth > 1:
+            touched: dict[str, RequestState] = {}
+            pipelined(self, touched)
+            return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
         launched = launch(self)
         done = [self._inflight] if self._inflight is not None else []
         self._inflight = None

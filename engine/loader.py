@@ -51,10 +51,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], shard=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    files: list[Path], shard=None, keep=None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor `keep` wants (all by default), cut to
+    this rank's part with a `shard`; the others are not read."""
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if keep is not None and not keep(name):
+                    continue
                 if shard is None:
                     yield name, f.get_tensor(name)
                     continue
@@ -87,11 +93,14 @@ def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype
     return t.to(dtype)
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def build_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, layer_range=None
+) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, layer_range)
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:  # to_empty gives each name its own storage
+    tied = model.embed_tokens is not None and model.lm_head is not None
+    if config.tie_word_embeddings and tied:  # to_empty gives each name its own storage
         model.lm_head = model.embed_tokens
     for module in model.modules():  # e.g. DeepSeek's routers stay float32
         for name in getattr(module, "float32_params", ()):
@@ -113,14 +122,16 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     shard=None,
+    stage=None,
 ) -> CausalLM:
-    """`config` is what the model is built from (a rank's, with a `shard`)."""
+    """`config` is what the model is built from (a rank's, with a `shard`); a `stage`
+    (a StagePlan) builds and loads that pipeline stage's layers only."""
     if load_format != "dummy":
         if model_dir is None:
             raise ValueError("a model folder is required unless load_format='dummy'")
         files = safetensors_files(Path(model_dir))  # fail before allocating the model
-    model = build_model(config, device, dtype)
-    targets = hf_weight_targets(config)
+    model = build_model(config, device, dtype, stage.layers if stage is not None else None)
+    targets = hf_weight_targets(config, stage)
     params = dict(model.named_parameters(remove_duplicate=False))
     if load_format == "dummy":
         generator = torch.Generator(device=device)
@@ -136,7 +147,8 @@ def load_model(
             view.copy_(whole[index] if index else whole)
         return model
     seen: set[str] = set()
-    for name, tensor in iter_safetensors(files, shard):
+    keep = (lambda n: n in targets or stage.owns(n)) if stage is not None else None
+    for name, tensor in iter_safetensors(files, shard, keep):
         target = targets.get(name)
         if target is None:
             if (

@@ -4,7 +4,9 @@ for the sequences that reached the end of their known tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,15 +16,17 @@ import torch
 from basis.model_config import ModelConfig
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
-from engine.grammar import start_masks
+from engine.grammar import masks_for
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.moe_settings import apply_moe_settings
+from engine.parallel import comm, step_wire
 from engine.parallel import state as parallel_state
-from engine.parallel import step_wire
 from engine.parallel.comm import agree_min
 from engine.parallel.launcher import Followers, config_options
+from engine.parallel.pipeline import PendingLogits, PipelinedSample, StageLink
 from engine.parallel.sharding import ShardPlan
+from engine.parallel.stages import StagePlan
 from engine.parallel.step_wire import StepShape
 from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
@@ -77,9 +81,12 @@ class ModelRunner:
         self.parallel = state.world_size > 1
         self.shard = ShardPlan(model_config, state.tp_size, state.tp_rank)
         shard_config = self.shard.config
+        self.stage = None  # a pipeline stage: its layers only
+        if state.pp_size > 1:
+            self.stage = StagePlan(model_config.num_hidden_layers, state.pp_size, state.pp_stage)
         self.model = load_model(
             model_dir, shard_config, self.device, self.dtype, config.load_format, config.seed,
-            shard=self.shard if self.parallel else None,
+            shard=self.shard if self.parallel else None, stage=self.stage,
         )  # fmt: skip
         self.model.full_vocab_size = model_config.vocab_size
         apply_moe_settings(self.model, config)
@@ -92,6 +99,10 @@ class ModelRunner:
             register()
         self.backend = get_backend(self.kernel_mode)
         self.kv_spec = KVCacheSpec.for_model(shard_config, self.block_size, self.dtype)
+        if self.stage is not None:
+            first, stop = self.stage.layers
+            self.kv_spec = dataclasses.replace(self.kv_spec, num_layers=stop - first)
+            self.link = StageLink(state, model_config.hidden_size, self.dtype, self.device)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
         if self.parallel:  # every rank's cache has the same blocks: the fewest that fit
             self.num_blocks = agree_min(self.num_blocks, self.device)
@@ -104,6 +115,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
+        self.busy_seconds, self.steps = 0.0, 0  # time in `launch`, and launches
         self.graphs = None
         max_len = model_config.context_length(config.max_model_len)
         if self.parallel:  # the other ranks step only when rank 0 sends them a step
@@ -131,6 +143,19 @@ class ModelRunner:
         self.model.set_expert_backend(experts)
         if not experts.graph_safe:
             self.graphs = None
+
+    def parallel_stats(self) -> list[dict]:
+        """Per rank (rank 0 first): seconds spent computing steps and in collectives,
+        and steps run; with a pipeline, 1 - busy / wall time is a stage's bubble."""
+        rows = [[self.busy_seconds, comm.CLOCK.seconds, self.steps]]
+        if self.followers is not None:
+            rows += self.followers.stats()
+        tp = parallel_state.current().tp_size
+        return [
+            {"rank": r, "stage": r // tp, "busy_seconds": b, "collective_seconds": c,
+             "steps": int(n)}
+            for r, (b, c, n) in enumerate(rows)
+        ]  # fmt: skip
 
     def on_fatal(self, callback) -> None:
         if self.followers is not None:
@@ -222,8 +247,7 @@ class ModelRunner:
         if source is not None:
             ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
         if self.followers is not None:  # the other ranks run the same step
-            self.followers.check()
-            step_wire.send(shape, d64, d32)
+            self.followers.send(shape, d64, d32)
         t = step_wire.unpack(shape, d64, d32, num_new, seq_lens.tolist())
         return StepInputs(t.input_ids, t.positions, t.meta, t.sample_rows, sample_seqs)
 
@@ -245,10 +269,18 @@ class ModelRunner:
         force_eager: bool = False,
     ) -> PendingSample | None:
         """Queues the step on the device and returns its sampled tokens, not yet read
-        back (None when no sequence samples this step). Grammar masks are computed
-        on a worker thread while the model runs."""
+        back (None when no sequence samples this step). Grammar masks are filled
+        by the sampler, after the forward pass is queued."""
+        start = time.perf_counter()
+        try:
+            return self._launch(seqs, num_new, block_tables, force_eager)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+            self.steps += 1
+
+    def _launch(self, seqs, num_new, block_tables, force_eager):
         inputs = self.prepare(seqs, num_new, block_tables)
-        masks = start_masks(inputs.sample_seqs)
+        masks = masks_for(inputs.sample_seqs)
         batch = len(seqs)
         if (
             self.graphs is not None
@@ -263,9 +295,27 @@ class ModelRunner:
             if len(inputs.sample_seqs) < batch:  # a one-token prompt chunk samples nothing
                 logits = logits.index_select(0, inputs.sample_rows)
             return self.sampler.launch(logits, inputs.sample_seqs, masks)
+        if self.stage is not None:
+            return self._launch_stage(inputs, masks)
         hidden = self.forward(inputs)
         if not inputs.sample_seqs:
             return None
         with ops.using(self.kernel_mode):
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         return self.sampler.launch(logits, inputs.sample_seqs, masks)
+
+    def _launch_stage(self, inputs: StepInputs, masks) -> PipelinedSample | None:
+        """Pipeline stage 0: its layers, then the next stage's input; the logits come
+        back from the last stage when the step is read back."""
+        self.num_tokens_processed += int(inputs.input_ids.shape[0])
+        with ops.using(self.kernel_mode):
+            carried = self.model.forward_stage(
+                inputs.input_ids, None, inputs.positions, self.kv_caches, inputs.meta, self.backend
+            )
+        self.link.send_carried(*carried)
+        if not inputs.sample_seqs:
+            return None
+        state = parallel_state.current()
+        logits = PendingLogits(state, len(inputs.sample_seqs), self.model_config.vocab_size,
+                               self.device)  # fmt: skip
+        return PipelinedSample(inputs.sample_seqs, logits, self.sampler, masks)

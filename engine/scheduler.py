@@ -46,6 +46,7 @@ class Scheduler:
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self.num_preemptions = 0
+        self.pipeline_depth = config.pipeline_parallel_size  # steps in flight at once
 
     # -- queues ----------------------------------------------------------------
     @property
@@ -92,8 +93,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._running.sort(key=self._order_key)
         i = 0
-        while i < len(self._running) and budget > 0:
+        # A pipeline of P stages runs P steps at once over different sequences: each
+        # step takes about 1/P of them, so the next stage never waits for work.
+        share = -(-self.num_unfinished // self.pipeline_depth)
+        while i < len(self._running) and budget > 0 and len(batch.seqs) < share:
             seq = self._running[i]
+            if seq.in_flight:  # in a pipelined step still running: not again until read back
+                i += 1
+                continue
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
@@ -115,6 +122,8 @@ class Scheduler:
         self._waiting.sort(key=self._order_key)
         for seq in list(self._waiting):
             if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if len(batch.seqs) >= share:
                 break
             if seq.fork_parent is not None:
                 continue  # forks when its parent's prompt is computed
@@ -144,7 +153,9 @@ class Scheduler:
 
     def _pick_victim(self, batch: ScheduledBatch, current: Sequence) -> Sequence:
         """The lowest-priority running sequence not yet in this step's batch, else `current`."""
-        candidates = [s for s in self._running if s is not current and s not in batch.seqs]
+        candidates = [
+            s for s in self._running if s is not current and s not in batch.seqs and not s.in_flight
+        ]
         if not candidates:
             return current
         return max(candidates, key=self._order_key)

@@ -64,6 +64,8 @@ class Sequence:
     text_stream: TextStream | None = None  # set by the engine
     handoff: object | None = None  # prefill role: where this sequence's KV goes
     hold_blocks: bool = False  # prefill role: keep its blocks when it finishes (a lease)
+    in_flight: bool = False  # pipeline parallel: in a step not read back yet
+    grammar: object | None = None  # structured output: its SequenceGrammar (engine/grammar.py)
     # What delta outputs have handed out so far.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

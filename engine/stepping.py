@@ -8,7 +8,8 @@ work of one step then overlaps the device work of the next, and each running
 sequence's next input token is read on the device from the step that
 sampled it (its `pending_token`). A step is not run ahead of when a sequence
 in it samples with penalties (they need every earlier token on the host),
-forks (n > 1) or hands its KV off.
+follows a grammar (its next mask needs this token on the host), forks (n > 1)
+or hands its KV off.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def launch(engine) -> Step | None:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
     step = Step(batch.seqs)
+    if engine.pipeline_depth > 1:
+        for seq in batch.seqs:
+            seq.in_flight = True
     engine.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
     tables = [engine.kv.block_ids(s) for s in batch.seqs]
     handoffs = engine.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
@@ -78,16 +82,39 @@ def launch(engine) -> Step | None:
     return step
 
 
+def pipelined(engine, touched: dict[str, RequestState]) -> None:
+    """Pipeline parallel: keep one step in flight per stage, each over other
+    sequences (a sequence's next step needs its last token): launch until the
+    queue is full or nothing more can run, then complete the oldest."""
+    queue = engine.pipeline
+    while len(queue) < engine.pipeline_depth:
+        step = launch(engine)
+        if step is None:
+            break
+        queue.append(step)
+        if step.error is not None:
+            break
+    if queue:
+        complete(engine, queue.popleft(), touched)
+
+
 def _may_run_ahead(seq: Sequence) -> bool:
     """Whether the next step may be queued before this sequence's token is read
-    back: not when its sampling needs earlier tokens on the host (penalties),
-    its request forks (n > 1) or its blocks are held for a handoff."""
-    return not seq.params.needs_penalties and seq.params.n == 1 and not seq.hold_blocks
+    back: not when its sampling needs earlier tokens on the host (penalties, a
+    grammar's mask), its request forks (n > 1) or its blocks are held for a handoff."""
+    return (
+        not seq.params.needs_penalties
+        and seq.grammar is None
+        and seq.params.n == 1
+        and not seq.hold_blocks
+    )
 
 
 def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
     """Reads a step's tokens back and hands them to the scheduler; requests whose
     blocks are held for a handoff get their lease."""
+    for seq in step.seqs:
+        seq.in_flight = False
     for seq in step.seqs:
         state = engine.requests.get(seq.request_id)
         if state is not None and any(s is seq for s in state.seqs):  # not a reused id

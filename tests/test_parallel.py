@@ -5,13 +5,18 @@ sharded weights; bad sizes are refused before anything starts."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from test_hf_parity import random_prompts
 
 from basis.model_config import ModelConfig
 from engine import LLM, SamplingParams
+from engine.make_model import preset_config, write_model
 from engine.parallel.sharding import ShardPlan
+from engine.parallel.stages import StagePlan
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 MODELS = ("tiny-llama", "tiny-qwen3", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3")
@@ -37,17 +42,28 @@ def run(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(model_dir):
     out = {}
-    for name in MODELS:
+    for name in {m for m, _, _ in MATRIX}:
         llm = LLM(model_dir(name), **OPTIONS)
         out[name] = run(llm)
         llm.close()
     return out
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", MODELS)
-def test_tensor_parallel_equals_one_rank(model_dir, references, name, tp):
-    llm = LLM(model_dir(name), tensor_parallel_size=tp, **OPTIONS)
+# (preset, tensor parallel size, pipeline parallel size)
+MATRIX = [
+    ("tiny-llama", 2, 1),
+    ("tiny-qwen3", 4, 1),
+    ("tiny-deepseek-v2", 2, 1),
+    ("tiny-llama", 1, 2),
+    ("tiny-moe", 1, 3),
+    ("tiny-deepseek-v3", 1, 3),
+    ("tiny-moe", 2, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "tp", "pp"), MATRIX, ids=lambda v: str(v))
+def test_parallel_equals_one_process(model_dir, references, name, tp, pp):
+    llm = LLM(model_dir(name), tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS)
     try:
         got = run(llm)
         stats = llm.get_stats()
@@ -55,6 +71,7 @@ def test_tensor_parallel_equals_one_rank(model_dir, references, name, tp):
         llm.close()
     assert got == references[name]
     assert stats["prefix_cache_hit_tokens"] > 0 and stats["num_preemptions"] > 0
+    assert stats["host_kv_blocks_total"] == 0  # rank 0 holds part of each block: no host tier
 
 
 @pytest.mark.parametrize("name", ("tiny-llama", "tiny-moe", "tiny-deepseek-v3"))
@@ -87,6 +104,40 @@ def _sharded_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def wide_model(model_dir) -> Path:
+    """tiny-llama made wide and 4 layers deep: enough compute per stage that a stage's
+    work, not the host's per-step bookkeeping, is what the pipeline overlaps."""
+    folder = model_dir("tiny-llama").parent / "wide-llama"
+    if not (folder / "config.json").is_file():
+        config = preset_config("tiny-llama") | {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 4,
+            "head_dim": 128,
+        }
+        write_model(folder, config, seed=3)
+    return folder
+
+
+def test_a_pipeline_keeps_its_stages_busy(model_dir):
+    """Two stages, a workload that fills the queue: each stage computes most of the
+    time (a stage waits only at the pipeline's ends)."""
+    llm = LLM(wide_model(model_dir), device="cpu", dtype="float32", pipeline_parallel_size=2)
+    try:
+        prompts = random_prompts(500, [48] * 16, seed=93)
+        llm.generate(prompts[:2], GREEDY)  # warm up both stages
+        before = llm.engine.runner.parallel_stats()
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        wall = time.perf_counter() - start
+        after = llm.engine.runner.parallel_stats()
+    finally:
+        llm.close()
+    busy = [(a["busy_seconds"] - b["busy_seconds"]) / wall for a, b in zip(after, before)]
+    print("stage busy fractions", busy)
+    assert len(busy) == 2 and min(busy) >= 0.6, busy
+
+
 def test_sizes_that_do_not_divide_the_model_are_refused(model_dir):
     full = ModelConfig.from_pretrained(model_dir("tiny-llama"))  # 4 heads, 2 kv heads
     with pytest.raises(ValueError, match="num_attention_heads"):
@@ -94,3 +145,5 @@ def test_sizes_that_do_not_divide_the_model_are_refused(model_dir):
     assert ShardPlan(full, 4, 3).kv_heads == (1, 2)  # 4 ranks share 2 kv heads
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model_dir("tiny-llama"), device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="2 layers"):  # tiny-llama has 2
+        StagePlan(2, 3, 0)

@@ -157,18 +157,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None):
+        """`layer_range`: a pipeline stage's layers; the first stage embeds, the last has
+        the final norm and the LM head."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.tie_word_embeddings:
+        first, stop = layer_range or (0, config.num_hidden_layers)
+        embeds, heads = first == 0, stop == config.num_hidden_layers
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Parameter(torch.empty(shape)) if embeds else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(first, stop))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if heads else None
+        if not heads:
+            self.lm_head = None
+        elif config.tie_word_embeddings and embeds:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+            self.lm_head = nn.Parameter(torch.empty(shape))
         self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
         self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
         # Called with a layer's index right after it ran (KV handoff), when set.
@@ -210,6 +215,26 @@ class CausalLM(nn.Module):
             else:
                 x = layer.mlp(h)
             layer_done(i)
+        x, _ = self.norm.add_forward(x, residual)
+        return x
+
+    def forward_stage(self, input_ids, carried, positions, kv_caches, meta, backend):
+        """One pipeline stage's layers, from the token ids (the first stage) or the
+        previous stage's (hidden, residual); returns (hidden, residual), or on the last
+        stage the final hidden states."""
+        if carried is None:
+            x = comm.vocab_embedding(input_ids, self.embed_tokens, self.full_vocab_size)
+            residual = None
+        else:
+            x, residual = carried
+        self.experts.begin_step()
+        try:
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, backend)
+        finally:
+            self.experts.end_step()
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm.add_forward(x, residual)
         return x
 

@@ -26,16 +26,22 @@ def _rows(start: int, stop: int) -> tuple:
     return (slice(start, stop),)
 
 
-def hf_weight_targets(config: ModelConfig) -> dict[str, Target]:
+def hf_weight_targets(config: ModelConfig, stage=None) -> dict[str, Target]:
+    """Every checkpoint tensor the model (or pipeline `stage`, a StagePlan) loads."""
     q, kv = config.q_size, config.kv_size
-    out: dict[str, Target] = {
-        "model.embed_tokens.weight": Target("embed_tokens", ()),
-        "model.norm.weight": Target("norm.weight", ()),
-    }
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = Target("lm_head", ())
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
+    first, stop = stage.layers if stage is not None else (0, config.num_hidden_layers)
+    embeds, heads = first == 0, stop == config.num_hidden_layers
+    out: dict[str, Target] = {}
+    if embeds:
+        out["model.embed_tokens.weight"] = Target("embed_tokens", ())
+    if heads:
+        out["model.norm.weight"] = Target("norm.weight", ())
+        if not config.tie_word_embeddings:
+            out["lm_head.weight"] = Target("lm_head", ())
+        elif not embeds:  # the last stage's own copy of the tied embedding
+            out["model.embed_tokens.weight"] = Target("lm_head", ())
+    for i in range(first, stop):
+        hf, ours = f"model.layers.{i}", f"layers.{i - first}"
         out[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.input_layernorm.weight", ())
         out[f"{hf}.post_attention_layernorm.weight"] = Target(
             f"{ours}.post_attention_layernorm.weight", ()

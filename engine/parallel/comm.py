@@ -11,6 +11,8 @@ parallelism, so the model code reads the same either way.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,11 +20,29 @@ import torch.nn.functional as F
 from engine.parallel.state import current
 
 
+class _Clock:
+    """Seconds this rank spent in collectives (host time: on the CPU the whole
+    exchange; on CUDA what issuing it cost)."""
+
+    seconds = 0.0
+
+
+CLOCK = _Clock()
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        CLOCK.seconds += time.perf_counter() - start
+
+
 def tp_reduce(x: torch.Tensor) -> torch.Tensor:
     state = current()
     if state.tp_size == 1:
         return x
-    dist.all_reduce(x, group=state.tp_group)
+    _timed(dist.all_reduce, x, group=state.tp_group)
     return x
 
 
@@ -41,7 +61,7 @@ def vocab_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_size: i
     mine = (input_ids >= start) & (input_ids < stop)
     x = F.embedding(torch.where(mine, input_ids - start, 0), weight)
     x = x * mine.unsqueeze(-1).to(x.dtype)
-    dist.all_reduce(x, group=state.tp_group)
+    _timed(dist.all_reduce, x, group=state.tp_group)
     return x
 
 
@@ -55,7 +75,7 @@ def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         logits = F.pad(logits, (0, share - logits.shape[-1]))
     first = state.tp_ranks[0]
     parts = [torch.empty_like(logits) for _ in range(state.tp_size)] if state.tp_rank == 0 else None
-    dist.gather(logits.contiguous(), parts, dst=first, group=state.tp_group)
+    _timed(dist.gather, logits.contiguous(), parts, dst=first, group=state.tp_group)
     if state.tp_rank != 0:
         return None
     return torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -65,6 +65,7 @@ class Followers:
                 env=env, start_new_session=True, preexec_fn=_die_with_parent,
             ))  # fmt: skip
         parallel_state.initialize(tp, pp, 0, self.store, self.device)
+        self.sender = step_wire.StepSender(tp * pp)
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="rank-watch").start()
 
@@ -78,15 +79,21 @@ class Followers:
                     if self.on_failure is not None:
                         self.on_failure(self.failed)
 
-    def check(self) -> None:
+    def stats(self) -> list[list[float]]:
+        """(busy seconds, collective seconds, steps) of ranks 1.. in order."""
+        return self.sender.stats(self.device)
+
+    def send(self, shape, d64, d32) -> None:
+        """A step to every other rank (which run it as rank 0 does)."""
         if self.failed is not None:
             raise RuntimeError(self.failed)
+        self.sender.send(shape, d64, d32)
 
     def close(self) -> None:
         self._stop.set()
         if self.failed is None:
             try:
-                step_wire.send_stop(self.device)
+                self.sender.stop(self.device)
             except Exception:  # noqa: BLE001 - a rank gone already; kill below
                 pass
         for proc in self.procs:

@@ -1,8 +1,12 @@
 """A step's inputs as rank 0 sends them to the other ranks: one small header and
 two flat buffers (int64: token ids, positions, cache slots, sampled rows, ...;
-int32: query starts, sequence lengths, block tables), broadcast once per step,
-never per layer. Every rank lays the buffers out with the same `Layout` and
-reads them back with `unpack`."""
+int32: query starts, sequence lengths, block tables), once per step, never per
+layer. Every rank lays the buffers out with the same `Layout` and reads them
+back with `unpack`.
+
+They go point to point, not as a collective: rank 0 hands a step to every rank
+and goes on (with a pipeline, it starts the next step while later stages still
+work on this one); each rank takes its steps in order."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch.distributed as dist
 
 from engine.attention import AttentionMetadata
 
-FORWARD, STOP = 1, 2
+FORWARD, STOP, STATS = 1, 2, 3
+STATS_TAG = 7  # replies to STATS, apart from the steps' own messages
 _HEADER = 6  # op, total tokens, batch, pending tokens, max blocks, sampled rows
 
 
@@ -80,35 +85,69 @@ def unpack(
     return StepTensors(ids, positions, meta, rows[: shape.num_sampled])
 
 
-def send(shape: StepShape, d64: torch.Tensor, d32: torch.Tensor, group=None) -> None:
-    """Rank 0: the step to every other rank (of `group`)."""
-    header = torch.tensor(
-        [FORWARD, shape.total, shape.batch, shape.num_pending, shape.max_blocks,
-         shape.num_sampled], dtype=torch.int64, device=d64.device,
-    )  # fmt: skip
-    dist.broadcast(header, 0, group=group)
-    dist.broadcast(d64, 0, group=group)
-    dist.broadcast(d32, 0, group=group)
+class StepSender:
+    """Rank 0's side: each step to every other rank, without waiting for them."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._inflight: list = []  # (work, tensors) of earlier sends, kept alive
+
+    def send(self, shape: StepShape, d64: torch.Tensor, d32: torch.Tensor) -> None:
+        header = torch.tensor(
+            [FORWARD, shape.total, shape.batch, shape.num_pending, shape.max_blocks,
+             shape.num_sampled], dtype=torch.int64, device=d64.device,
+        )  # fmt: skip
+        self._post([header, d64, d32])
+
+    def stop(self, device: torch.device) -> None:
+        self._post([_op(STOP, device)])
+        self.drain()
+
+    def stats(self, device: torch.device) -> list[list[float]]:
+        """Every other rank's (busy seconds, collective seconds, steps), after the
+        steps sent before this call."""
+        self._post([_op(STATS, device)])
+        out = []
+        for rank in range(1, self.world_size):
+            reply = torch.empty(3, dtype=torch.float64, device=device)
+            dist.recv(reply, rank, tag=STATS_TAG)
+            out.append(reply.tolist())
+        return out
+
+    def _post(self, tensors: list[torch.Tensor]) -> None:
+        self._inflight = [(w, t) for w, t in self._inflight if not w.is_completed()]
+        for rank in range(1, self.world_size):
+            for t in tensors:
+                self._inflight.append((dist.isend(t, rank), t))
+
+    def drain(self) -> None:
+        for work, _ in self._inflight:
+            work.wait()
+        self._inflight = []
 
 
-def send_stop(device: torch.device, group=None) -> None:
+def _op(op: int, device: torch.device) -> torch.Tensor:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    header[0] = STOP
-    dist.broadcast(header, 0, group=group)
+    header[0] = op
+    return header
 
 
-def receive(
-    device: torch.device, group=None
-) -> tuple[StepShape, torch.Tensor, torch.Tensor] | None:
-    """The other ranks: the next step from rank 0 (None: stop)."""
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.broadcast(header, 0, group=group)
-    op, *values = header.tolist()
+def receive(device: torch.device, on_stats=None):
+    """The other ranks: the next step from rank 0, as (shape, d64, d32); None: stop.
+    A request for statistics is answered with `on_stats()` on the way."""
+    while True:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, 0)
+        op, *values = header.tolist()
+        if op != STATS:
+            break
+        reply = torch.tensor(on_stats(), dtype=torch.float64, device=device)
+        dist.send(reply, 0, tag=STATS_TAG)
     if op == STOP:
         return None
     shape = StepShape(*values)
     d64 = torch.empty(shape.wide.size, dtype=torch.int64, device=device)
     d32 = torch.empty(shape.narrow.size, dtype=torch.int32, device=device)
-    dist.broadcast(d64, 0, group=group)
-    dist.broadcast(d32, 0, group=group)
+    dist.recv(d64, 0)
+    dist.recv(d32, 0)
     return shape, d64, d32

@@ -99,9 +99,13 @@ def place(
             if w.worker_id not in exclude and w.load < policy.capacity(w)
         ]
         # A prefill worker whose KV blocks are laid out otherwise (another tensor-parallel
-        # size, dtype or model) cannot fill this worker's cache: never paired, the prompt
-        # is prefilled by its decode worker instead.
-        compatible = [w for w in prefills if w.kv_layout == best.kv_layout]
+        # size, dtype or model) cannot fill this worker's cache, nor can a handoff move
+        # the blocks of a parallel worker (its rank 0 holds part of each): never paired,
+        # the prompt is prefilled by its decode worker instead.
+        compatible = [
+            w for w in prefills
+            if w.kv_layout == best.kv_layout and not (w.parallel or best.parallel)
+        ]  # fmt: skip
         decision.refused_prefills = len(prefills) - len(compatible)
         prefills = compatible
         if prefills:

@@ -23,6 +23,7 @@ class WorkerState:
     metrics_address: str = ""
     model: str = ""
     kv_layout: str = ""  # a handoff needs equal layouts on both ends
+    parallel: bool = False  # tensor or pipeline parallel: rank 0 holds part of each block
     info: object = None  # the WorkerInfo it registered with, as ListWorkers shows it
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)

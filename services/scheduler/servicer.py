@@ -41,6 +41,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             metrics_address=request.metrics_address,
             model=request.model,
             kv_layout=request.kv_layout,
+            parallel=request.tensor_parallel_size * request.pipeline_parallel_size > 1,
             info=request,
         )
         if self.registry.register(state):

@@ -1,0 +1,148 @@
+"""Structured outputs in the engine: grammars compiled once per specification,
+one matcher per sequence, and the token bitmask the sampler applies.
+
+`GrammarCompiler` turns a `StructuredOutput` into an llguidance matcher over
+the model's tokenizer and keeps the compiled matcher per specification;
+every sequence gets a copy (`SequenceGrammar`), advanced by each token it
+accepts. A step's bitmask rows are computed on the host once the step's
+forward pass and logits are queued (`MaskJob.result`, called by the sampler):
+on CUDA the device runs the step meanwhile, so the masks cost no step time;
+then they move to the device and are applied there. (A worker thread would
+not help on CPU: it takes a core from the forward pass, and torch's threads
+then wait for it.) Preemption keeps a sequence's generated tokens, so its
+matcher stays in step; siblings of an n > 1 request each start from the
+compiled matcher.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from basis.structured_output import StructuredOutput
+
+_NEG_INF = float("-inf")
+_MAX_COMPILED = 256
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher = matcher
+        self.words = words  # int32 words of its bitmask row
+
+    def fill(self, row: np.ndarray) -> None:
+        """Writes the allowed next tokens into `row` (int32, one bit per token)."""
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar does not allow it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete: no token but end-of-sequence could follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GrammarCompiler:
+    """Compiled matchers per specification, over one tokenizer. Thread-safe:
+    requests are validated outside the engine's thread."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids):
+        from llguidance import LLTokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError("structured outputs need the model's tokenizer (tokenizer.json)")
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._tokenizer = LLTokenizer(
+            path.read_text(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+        )
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compiled(self, spec: StructuredOutput):
+        """The matcher at the start of `spec`'s grammar, compiled on first use;
+        ValueError if the grammar is invalid for this tokenizer."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            matcher = self._compiled.get(spec.key)
+            if matcher is not None:
+                self._compiled.move_to_end(spec.key)
+                return matcher
+        matcher = LLMatcher(self._tokenizer, spec.grammar(), log_level=0)
+        if matcher.is_error():
+            error = matcher.get_error()
+            raise ValueError(f"invalid {spec.kind} for structured output: {error}")
+        with self._lock:
+            self._compiled[spec.key] = matcher
+            if len(self._compiled) > _MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def check(self, spec: StructuredOutput) -> None:
+        """ValueError unless the grammar compiles and its consumed tokens fit it."""
+        if spec.consumed:
+            self.start(spec)
+        else:
+            self.compiled(spec)
+
+    def start(self, spec: StructuredOutput) -> SequenceGrammar:
+        """A new sequence's grammar, past the tokens `spec` says were generated already."""
+        grammar = SequenceGrammar(self.compiled(spec).deep_copy(), self.words)
+        for token in spec.consumed:
+            if not grammar.accept(token):
+                raise ValueError("the resumed tokens do not match the structured output")
+        return grammar
+
+
+class MaskJob:
+    """The bitmask rows of one step's constrained sequences, filled on first use."""
+
+    def __init__(self, rows: list[int], grammars: list[SequenceGrammar]):
+        self.rows = rows  # which of the step's sampled sequences are constrained
+        self._grammars = grammars
+        self._bitmask: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._bitmask is None:
+            grammars = self._grammars
+            self._bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
+            for row, grammar in zip(self._bitmask, grammars):
+                grammar.fill(row)
+        return self._bitmask
+
+
+def masks_for(seqs) -> MaskJob | None:
+    """The masks the constrained sequences among `seqs` need (None: none is)."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return None
+    return MaskJob(rows, [seqs[i].grammar for i in rows])
+
+
+def apply_masks(logits: torch.Tensor, bitmask: np.ndarray, rows: torch.Tensor) -> None:
+    """Sets the logits of every token a row's grammar forbids to -inf, on the device
+    (`rows`: which logits row each bitmask row is for)."""
+    bitmask = torch.from_numpy(bitmask)
+    if logits.is_cuda:
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary
+        pad = allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], _NEG_INF)

@@ -1,0 +1,34 @@
+"""The mesh the OpenAI-surface tests talk to: the default (trained) model on one
+colocated CPU worker, real processes on loopback, started once per session."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from services.common.processes import free_port
+from yinian.default_model import ensure_default_model
+from yinian.mesh import Mesh, MeshSpec
+
+MODEL = "pydoc-llama"
+
+
+@pytest.fixture(scope="session", name="default_mesh")
+def default_mesh_fixture():
+    spec = MeshSpec(
+        model=str(ensure_default_model()),
+        workers=1,
+        port=free_port(),
+        engine_argv=["--device", "cpu", "--max-num-seqs", "128"],
+    )
+    with Mesh(spec) as mesh:
+        yield mesh
+
+
+def client(mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0)
+
+
+def post(mesh, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{mesh.url}{path}", json=body, timeout=120)
