@@ -184,6 +184,10 @@ class AsyncLLM:
         """Every check a request must pass; a ValueError changes nothing."""
         self._engine.validate(prompt_ids, params)
 
+    async def parallel_stats(self) -> list[dict]:
+        """Per rank of a parallel engine: busy and collective seconds, steps."""
+        return await self._call(lambda e: e.runner.parallel_stats())
+
     def on_fatal(self, callback) -> None:
         """`callback(reason)` when the engine can never step again (a rank of a parallel
         engine died): a worker exits, so its streams move to another worker."""
@@ -198,6 +202,11 @@ class AsyncLLM:
     def kv_caches(self) -> list:
         """The KV cache, one tensor per layer: what KV transports read and write."""
         return self._engine.kv_caches
+
+    async def set_expert_backend(self, experts) -> None:
+        """Where the MoE layers' routed experts run from the next step on
+        (engine/expert_backend.py), e.g. on expert services instead of here."""
+        await self._call(lambda e: e.runner.set_expert_backend(experts))
 
     async def _call(self, fn):
         return await self._thread.call(fn)

@@ -18,7 +18,7 @@ from test_hf_parity import random_prompts
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import gateway_metric, scrape
+from yinian.mesh_probe import gateway_metric, scrape, worker_metric
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -39,6 +39,16 @@ def reference(model_dir):
 def expected(reference, prompt, max_tokens=12):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return reference.generate([prompt], params)[0].outputs[0].text
+
+
+def wait_for(probe, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value and all(v > 0 for v in value.values()):
+            return value
+        time.sleep(0.3)
+    return probe()
 
 
 def followers_of(pid: int) -> list[int]:
@@ -63,6 +73,8 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
         prompts = random_prompts(500, (5, 30, 64), seed=150)
         for prompt in prompts:  # a TP = 2 worker through the gateway
             assert complete(mesh, prompt) == expected(reference, prompt)
+        busy = wait_for(lambda: worker_metric(mesh, "yinian:rank_busy_seconds", where='rank="1"'))
+        assert all(v > 0 for v in busy.values())  # both ranks of both workers computed
         worker = mesh.child("worker-0").proc.pid
         ranks = followers_of(worker)
         assert len(ranks) == 1

@@ -59,6 +59,16 @@ HOST_KV_BYTES = Gauge(
     "Bytes moved between device and host tier so far",
     ["worker", "direction"],
 )
+# Tensor/pipeline parallel workers, per rank
+RANK_BUSY_SECONDS = Gauge(
+    "yinian:rank_busy_seconds", "Seconds a rank spent computing steps", ["worker", "rank", "stage"]
+)
+RANK_COLLECTIVE_SECONDS = Gauge(
+    "yinian:rank_collective_seconds",
+    "Seconds a rank spent in collectives (all-reduce, gather)",
+    ["worker", "rank", "stage"],
+)
+RANK_STEPS = Gauge("yinian:rank_steps", "Steps a rank ran", ["worker", "rank", "stage"])
 WORKER_REQUESTS = Counter("yinian:worker_requests", "Requests a worker has taken", ["worker"])
 NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"])
 
