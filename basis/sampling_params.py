@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from basis.structured_output import StructuredOutput
+
 _GREEDY_EPS = 1e-5
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
 
 
 @dataclass(slots=True)
@@ -30,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured_output: StructuredOutput | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +80,17 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, minimum=0)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", token, minimum=0)
+            _check_number("logit_bias value", bias)
+            if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput")
+            self.structured_output.check()
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +108,7 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values["stop"] = list(self.stop)
         values["stop_token_ids"] = list(self.stop_token_ids)
+        values["logit_bias"] = dict(self.logit_bias)
         values.update(changes)
         return SamplingParams(**values)
 

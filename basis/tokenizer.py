@@ -22,6 +22,14 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # As Hugging Face renders templates: keys in their order and no HTML escaping
+    # (jinja's own tojson sorts keys and escapes <, >, & for HTML).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _special(value):
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
         return value.get("content")
@@ -72,6 +80,7 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
@@ -84,9 +93,14 @@ class Tokenizer:
         except TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
         # The template writes the special tokens itself; adding them again would double BOS.
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
         return self.encode(text, add_special_tokens=False)
 
     def stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:

@@ -6,6 +6,7 @@ outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
 from basis.sampling_params import SamplingParams
+from basis.structured_output import StructuredOutput
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -22,4 +23,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]

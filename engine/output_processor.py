@@ -2,8 +2,9 @@
 sequence stops, and assemble the per-request outputs.
 
 Stop order follows vLLM: a stop token id, then EOS (unless ignored), then a
-stop string in the new text (see TextStream), then max_tokens and the
-context length.
+stop string in the new text (see TextStream), then a structured output that
+is complete, then max_tokens and the context length. A token its grammar
+forbids (the sampler's mask rules it out) ends the sequence with an error.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def process_token(
     if top_logprobs is not None:
         seq.logprobs.append(top_logprobs)
     stop_string = seq.text_stream.append(token_id, seq.num_output_tokens)
+    if seq.grammar is not None and not seq.grammar.accept(token_id):
+        seq.finish(FinishReason.ERROR, error=f"structured output broke: {seq.grammar.error}")
+        return
     if token_id in params.stop_token_ids:
         seq.finish(FinishReason.STOP, stop_reason=token_id)
         return
@@ -58,6 +62,9 @@ def process_token(
         return
     if stop_string is not None:
         seq.finish(FinishReason.STOP, stop_reason=stop_string)
+        return
+    if seq.grammar is not None and seq.grammar.terminated:  # the structure is complete
+        seq.finish(FinishReason.STOP)
         return
     if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
         seq.finish(FinishReason.LENGTH)

@@ -42,6 +42,14 @@ def check_request(
         )
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer; this model has none")
+    if params.structured_output is not None and tokenizer is None:
+        raise ValueError("structured outputs need a tokenizer; this model has none")
+    outside = [t for t in params.logit_bias if t >= model_config.vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias names token ids outside the vocabulary "
+            f"(size {model_config.vocab_size}): {outside[:5]}"
+        )
     total = min(len(prompt_ids) + (params.max_tokens or max_model_len), max_model_len)
     if kv.blocks_needed(total) > kv.pool.num_usable_blocks:
         raise ValueError(

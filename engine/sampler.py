@@ -1,8 +1,9 @@
 """Turns a step's logits into next tokens.
 
-Rows are independent: penalties, temperature, top-k/top-p/min-p and the
-random draw are applied per row, and a seeded row draws its noise from its
-own generator, so its tokens do not depend on what else is in the batch.
+Rows are independent: penalties, logit bias, a grammar's token mask,
+temperature, top-k/top-p/min-p and the random draw are applied per row, and
+a seeded row draws its noise from its own generator, so its tokens do not
+depend on what else is in the batch.
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
 draws exactly from p.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import MaskJob, apply_masks
 from engine.sequence import Logprob, Sequence
 
 _NEG_INF = float("-inf")
@@ -78,26 +80,39 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: MaskJob | None = None
+    ) -> SampleResult:
         """logits: [N, V] float32, row i belonging to seqs[i]."""
-        return self.launch(logits, seqs).result()
+        return self.launch(logits, seqs, masks).result()
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+    def launch(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: MaskJob | None = None
+    ) -> PendingSample:
         """Queues the sampling of every row on the device; nothing waits for it.
-        A sequence's tokens still pending count as output (for min_tokens)."""
+        A sequence's tokens still pending count as output (for min_tokens).
+        `masks`: the grammar bitmasks of the constrained rows (grammar.masks_for)."""
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
         made = [s.num_output_tokens + s.num_pending for s in seqs]
-        if any(s.params.needs_penalties or m < s.params.min_tokens for s, m in zip(seqs, made)):
+        if masks is not None or any(
+            s.params.needs_penalties or s.params.logit_bias or m < s.params.min_tokens
+            for s, m in zip(seqs, made)
+        ):
             logits = logits.clone()
         for row, seq in enumerate(seqs):
             p = seq.params
             if p.needs_penalties:
                 _apply_penalties(logits[row], seq)
+            if p.logit_bias:
+                bias = _on(logits, list(p.logit_bias.values()), logits.dtype)
+                logits[row].index_add_(0, _on(logits, list(p.logit_bias)), bias)
             if made[row] < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
                 if banned:
                     logits[row].index_fill_(0, _on(logits, sorted(banned)), _NEG_INF)
+        if masks is not None:  # last: no bias or penalty may revive a forbidden token
+            apply_masks(logits, masks.result(), _on(logits, masks.rows))
         chosen = self._choose(logits, seqs)
         extra = ()
         if wanted:

@@ -52,25 +52,71 @@ _QWEN_SPLIT = (
 # with a plain jinja2 environment that is not given the special-token variables.
 _LLAMA3_CHAT_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}"
+    # Tools (when given) go first, as a system turn; a call is answered with a bare JSON
+    # object {"name": ..., "parameters": ...}, as Llama 3.1 does with JSON tool calling.
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'To call a function, answer with only a JSON object ' }}"
+    '{{- \'{"name": function name, "parameters": its arguments}. Functions:\' }}'
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- {'name': call['function']['name'], "
+    "'parameters': call['function']['arguments']} | tojson }}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- else %}"
     "{%- if message['content'] is not string %}"
     "{{- raise_exception('Only string message content is supported.') }}"
     "{%- endif %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' }}"
     # Llama 3's own template trims content; keep that so prompts tokenize alike.
     "{{- message['content'] | trim }}"
     "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
     "{%- endif %}"
 )
 _QWEN_CHAT_TEMPLATE = (
+    # Tools (when given) go into a system turn of their own, Hermes style: calls are
+    # JSON objects {"name": ..., "arguments": ...} inside <tool_call></tool_call> tags.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions. ' }}"
+    "{{- 'Their signatures are within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name ' }}"
+    "{{- 'and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}"
+    '{{- \'{"name": <function-name>, "arguments": <args-json-object>}\\n\' }}'
+    "{{- '</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\\n<tool_call>\\n' }}"
+    "{{- {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}"
+    "{{- '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] }}"
+    "{{- '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
     "{%- if message['content'] is not string %}"
     "{{- raise_exception('Only string message content is supported.') }}"
     "{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -199,7 +245,7 @@ def _corpus_lines(seed: int) -> list[str]:
 
 
 def _train(
-    target_model_size: int, split_regex: str, seed: int
+    target_model_size: int, split_regex: str, seed: int, corpus: list[str] | None = None
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Learns as many real merges as the corpus allows, up to ``target_model_size`` tokens."""
     tokenizer = Tokenizer(models.BPE())
@@ -211,7 +257,7 @@ def _train(
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_corpus_lines(seed), trainer=trainer)
+    tokenizer.train_from_iterator(corpus or _corpus_lines(seed), trainer=trainer)
     state = json.loads(tokenizer.to_str())["model"]
     vocab = dict(sorted(state["vocab"].items(), key=lambda kv: kv[1]))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in state["merges"]]
@@ -262,10 +308,10 @@ def _pre_tokenizer(split_regex: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _build(vocab_size: int, style: dict, seed: int) -> Tokenizer:
+def _build(vocab_size: int, style: dict, seed: int, corpus: list[str] | None) -> Tokenizer:
     specials = style["special"]
     target_model_size = vocab_size - len(specials)
-    vocab, merges = _train(target_model_size, style["split"], seed)
+    vocab, merges = _train(target_model_size, style["split"], seed, corpus)
     _extend(vocab, merges, target_model_size, seed)
 
     tokenizer = Tokenizer(
@@ -331,14 +377,19 @@ def _tokenizer_config(style: dict, tokenizer: Tokenizer) -> dict:
 
 
 def write_tokenizer(
-    out_dir: str | Path, vocab_size: int, style: str = "llama3", seed: int = 0
+    out_dir: str | Path,
+    vocab_size: int,
+    style: str = "llama3",
+    seed: int = 0,
+    corpus: list[str] | None = None,
 ) -> dict:
     """Writes tokenizer.json and tokenizer_config.json into out_dir. Returns a dict of the ids
     the model config and generation_config need: {"bos_token_id": int,
     "eos_token_id": int | list[int], "pad_token_id": int | None}.
 
     The total vocabulary, special tokens included, is exactly ``vocab_size``;
-    the output is byte-identical for equal ``(vocab_size, style, seed)``.
+    the output is byte-identical for equal ``(vocab_size, style, seed)``. ``corpus``
+    (lines of text) replaces the built-in training corpus.
     """
     if style not in STYLES:
         raise ValueError(f"unknown tokenizer style {style!r}; expected one of {sorted(STYLES)}")
@@ -350,7 +401,7 @@ def write_tokenizer(
             "(256 byte symbols + special tokens + some merges)"
         )
     spec = STYLES[style]
-    tokenizer = _build(vocab_size, spec, seed)
+    tokenizer = _build(vocab_size, spec, seed, corpus)
     if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise RuntimeError("tokenizer vocab size does not match the requested size")
 

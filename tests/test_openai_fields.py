@@ -11,7 +11,6 @@ from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
 from openai_mesh import (
     MODEL,
-    default_mesh_fixture,  # noqa: F401 - the fixture
     post,
 )
 

@@ -13,7 +13,6 @@ import pytest
 from openai_mesh import (
     MODEL,
     client,
-    default_mesh_fixture,  # noqa: F401 - the fixture
     post,
 )
 
@@ -114,7 +113,8 @@ def test_json_object_100_of_100(default_mesh):
             i,
             content=f"Describe {topics[i % len(topics)]} as JSON.",
             response_format={"type": "json_object"},
-            max_tokens=400,
+            temperature=0.7,
+            max_tokens=1500,  # room for the longest strings the model writes (a few hundred)
         )
     )
     assert all(isinstance(json.loads(m["content"]), dict) for m, _ in answers)
@@ -181,7 +181,8 @@ def test_tool_choice_auto_answers_in_text_or_well_formed_calls(default_mesh):
         assert calls or message["content"]
         assert (finish == "tool_calls") == bool(calls) or finish == "length"
         kinds.add("calls" if calls else "text")
-    assert kinds  # each answer above is well formed, whichever it chose
+    # the model was trained to call when asked to look something up, else to answer
+    assert kinds == {"calls", "text"}
 
 
 def test_logit_bias_plus_100_makes_greedy_output_that_token(default_mesh):

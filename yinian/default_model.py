@@ -1,20 +1,24 @@
-"""The model commands fall back to when none is given: tiny-llama, made once."""
+"""The model commands fall back to when none is given: pydoc-llama, a Llama of
+about a million parameters trained on the interpreter's own documentation
+(`python -m yinian.train_default_model`), committed with its tokenizer in
+yinian/models/pydoc-llama. It writes English-like text about Python; the
+random-weight presets (`yinian make-model`) remain for benchmarks."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from engine.make_model import preset_config, write_model
+DEFAULT_MODEL = Path(__file__).parent / "models" / "pydoc-llama"
 
 
 def default_model_dir() -> Path:
-    root = Path(os.environ.get("YINIAN_CACHE", Path.home() / ".cache" / "yinian"))
-    return root / "models" / "tiny-llama"
+    return DEFAULT_MODEL
 
 
 def ensure_default_model() -> Path:
-    folder = default_model_dir()
-    if not (folder / "model.safetensors").is_file():
-        write_model(folder, preset_config("tiny-llama"), seed=0)
-    return folder
+    if not (DEFAULT_MODEL / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the default model is missing from {DEFAULT_MODEL}; "
+            "train it with: python -m yinian.train_default_model"
+        )
+    return DEFAULT_MODEL

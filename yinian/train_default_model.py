@@ -6,7 +6,9 @@ transformers and by the engine.
 
     python -m yinian.train_default_model --out yinian/models/pydoc-llama
 
-Needs transformers (the test extra); about 20 minutes on two CPU cores.
+Needs transformers (the test extra). The committed model took 700 steps of 16
+windows of 256 tokens (0.3 s a step on two idle CPU cores) and reached a
+held-out perplexity of 24.6 with its 2048-token vocabulary (training.json).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).parent / "models" / "pydoc-llama"))
     p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=700)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)

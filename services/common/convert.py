@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from basis.sampling_params import SamplingParams
+from basis.structured_output import StructuredOutput
 from proto.yinian.v1 import common_pb2
 
 _FINISH = {
@@ -31,7 +32,15 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        logit_bias=p.logit_bias,
     )
+    so = p.structured_output
+    if so is not None:
+        msg.structured_output.CopyFrom(
+            common_pb2.StructuredOutput(
+                kind=so.kind, spec=so.spec, strict=so.strict, consumed_token_ids=so.consumed
+            )
+        )
     if p.max_tokens is not None:
         msg.max_tokens = p.max_tokens
     if p.seed is not None:
@@ -63,7 +72,16 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
+        structured_output=structured_from_proto(msg),
     )
+
+
+def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    if not msg.HasField("structured_output"):
+        return None
+    so = msg.structured_output
+    return StructuredOutput(so.kind, so.spec, so.strict, tuple(so.consumed_token_ids))
 
 
 def finish_to_proto(reason: str | None) -> int:

@@ -11,7 +11,12 @@ class MeshError(Exception):
 
 
 class InvalidRequest(MeshError, ValueError):
-    """The request is malformed or out of range; retrying it will not help."""
+    """The request is malformed or out of range; retrying it will not help.
+    `param` names the request field at fault, when one is (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Unauthenticated(MeshError):

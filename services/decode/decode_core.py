@@ -81,6 +81,8 @@ class DecodeCore:
                     max_tokens=params.max_tokens - len(resume),
                     min_tokens=max(0, params.min_tokens - len(resume)),
                 )
+            if params.structured_output is not None:  # its grammar continues after them
+                params = params.clone(structured_output=params.structured_output.after(resume))
         full_prompt = prompt_ids + resume
         self.engine.validate(full_prompt, params)
         if self.shared is not None:  # blocks the shared tier has and this worker lacks

@@ -17,6 +17,7 @@ from services.common.errors import InvalidRequest, NotFound
 from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
 from services.gateway.protocol import check_context
 from services.gateway.public_prefixes import load_public_prefixes, public_tokens
+from services.gateway.tool_calls import format_for
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class GatewayCore:
         frontend: Frontend,
         max_model_len: int | None = None,
         public_prefixes: str | None = None,
+        tool_call_parser: str = "",
     ):
         self.model_name = model_name
         self.model_config = ModelConfig.from_pretrained(model_dir)
@@ -46,6 +48,9 @@ class GatewayCore:
         self.public_prefixes = load_public_prefixes(
             public_prefixes, self.tokenizer, self.model_config.check_token_ids
         )
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_format = format_for(template, tool_call_parser)  # None: no tool calls
+        self.created = int(time.time())  # the model's `created` in /v1/models
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -64,13 +69,22 @@ class GatewayCore:
             raise InvalidRequest(str(exc)) from exc
         return list(prompt)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer")
+        try:
+            self.model_config.check_token_ids(token_ids)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return self.tokenizer.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
-            raise InvalidRequest("messages must not be empty")
+            raise InvalidRequest("messages must not be empty", param="messages")
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template")
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 from services.gateway.frontend import RunStats, TokenInfo
 from services.gateway.gateway_core import ChoiceResult
+from services.gateway.tool_calls import ToolFormat
 
 
 def usage(stats_list: list[RunStats]) -> dict:
@@ -73,24 +75,45 @@ def completion_response(
     }
 
 
+def chat_message(result: ChoiceResult, tool_format: ToolFormat | None) -> tuple[dict, str]:
+    """The assistant message of a whole answer (its tool calls parsed out when the
+    request offered tools) and its finish reason ("tool_calls" when it called)."""
+    if tool_format is None:
+        return {"role": "assistant", "content": result.text}, result.finish_reason
+    content, calls = tool_format.parse(result.text)
+    message = {"role": "assistant", "content": content}
+    if not calls:
+        return message, result.finish_reason
+    message["tool_calls"] = [c.message() for c in calls]
+    finish = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    return message, finish
+
+
 def chat_response(
-    request_id: str, model: str, results: list[ChoiceResult], stats: list[RunStats]
+    request_id: str,
+    model: str,
+    results: list[ChoiceResult],
+    stats: list[RunStats],
+    tool_format: ToolFormat | None = None,
 ) -> dict:
+    choices = []
+    for r in results:
+        message, finish = chat_message(r, tool_format)
+        choices.append(
+            {
+                "index": r.index,
+                "message": message,
+                "logprobs": chat_logprobs(r.logprobs),
+                "finish_reason": finish,
+                "stop_reason": r.stop_reason,
+            }
+        )
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(r.logprobs),
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-            for r in results
-        ],
+        "choices": choices,
         "usage": usage(stats),
     }
 
@@ -157,6 +180,13 @@ def usage_chunk(request_id: str, model: str, obj: str, stats: list[RunStats]) ->
         "choices": [],
         "usage": usage(stats),
     }
+
+
+def obfuscated(chunk: dict) -> dict:
+    """A stream chunk padded with random characters (OpenAI's include_obfuscation),
+    so that its length says nothing about the tokens in it."""
+    chunk["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(12) + 4)
+    return chunk
 
 
 def sse(payload: dict | str) -> str:

@@ -2,7 +2,10 @@
 
 Everything a client can get wrong is rejected here, before any placement:
 wrong types (pydantic), out-of-range sampling values (SamplingParams), a
-prompt or max_tokens beyond the context length, unknown models.
+prompt or max_tokens beyond the context length, unknown models. Every field of
+the OpenAI API is honoured or rejected with a 400 that names it (`param`):
+a field not declared here is unknown and rejected; the ones in UNSUPPORTED are
+accepted only with the value that asks for nothing.
 """
 
 from __future__ import annotations
@@ -12,19 +15,59 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from basis.sampling_params import SamplingParams
+from basis.structured_output import StructuredOutput
 from services.common.errors import InvalidRequest
 
+# Out of scope: field -> why. Each may be absent or null, nothing else.
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "`functions` is deprecated: use `tools`",
+    "function_call": "`function_call` is deprecated: use `tool_choice`",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not reason",
+    "verbosity": "this model has no verbosity setting",
+    "prompt_cache_key": "prefix caching is automatic; cache keys are not supported",
+    "prompt_cache_retention": "prefix caching is automatic; retention is not configurable",
+    "prompt_cache_options": "prefix caching is automatic; it has no options",
+    "moderation": "moderation is not supported",
+    "suffix": "suffixes (fill-in-the-middle) are not supported",
+}
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
 
+class StrictBody(BaseModel):
+    # Unknown fields are errors, never ignored; known ones must have the right type.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class StreamOptions(StrictBody):
     include_usage: bool = False
+    include_obfuscation: bool = False  # random padding on each chunk (length side channel)
 
 
-class _Sampling(BaseModel):
-    # Unknown fields are ignored (as vLLM does); known ones must have the right type.
-    model_config = ConfigDict(extra="ignore", strict=True)
+class JsonSchemaFormat(StrictBody):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
+
+class ResponseFormat(StrictBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(StrictBody):
+    """vLLM's `structured_outputs` (the newer form of its guided_* fields)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingFields(StrictBody):
     model: str
     n: int = 1
     temperature: float | None = None
@@ -35,7 +78,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # recorded on the request's trace
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -46,8 +90,38 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def check(self) -> None:
+        """What the types cannot say; InvalidRequest naming the field."""
+        for name, why in UNSUPPORTED.items():
+            if getattr(self, name, None) is not None:
+                raise InvalidRequest(f"`{name}` is not supported: {why}", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options needs stream: true", param="stream_options")
+
+    def token_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -68,44 +142,34 @@ class _Sampling(BaseModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.token_bias(),
+                structured_output=structured,
             )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        except ValueError as exc:  # its message starts with the field's name
+            name = str(exc).split(" ", 1)[0]
+            raise InvalidRequest(
+                str(exc), param=name if name in self.model_fields else None
+            ) from exc
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None)
     echo: bool = False
+    best_of: int | None = None
     suffix: str | None = None
 
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise InvalidRequest(
+                "best_of other than n is not supported (it returns n of n)", param="best_of"
+            )
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported", param="echo")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -24,29 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/common.proto\x12\tyinian.v1\"\x82\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.yinian.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.yinian.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf0\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x08 \x01(\x04\x12\x11\n\ttimestamp\x18\t \x01(\x01\"\x8a\x01\n\x08KvEvents\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x04\x12\x0f\n\x07removed\x18\x04 \x03(\x04\x12\r\n\x05reset\x18\x05 \x01(\x08\x12\x13\n\x0bhost_stored\x18\x06 \x03(\x04\x12\x14\n\x0chost_removed\x18\x07 \x03(\x04\"-\n\x08KvResync\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"R\n\x0eSharedKvEvents\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\r\n\x05reset\x18\x04 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/common.proto\x12\tyinian.v1\"\xaa\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.yinian.v1.SamplingParams.LogitBiasEntry\x12\x36\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1b.yinian.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"Z\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x1a\n\x12\x63onsumed_token_ids\x18\x04 \x03(\r\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.yinian.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.yinian.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf0\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x02 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x08 \x01(\x04\x12\x11\n\ttimestamp\x18\t \x01(\x01\"\x8a\x01\n\x08KvEvents\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x04\x12\x0f\n\x07removed\x18\x04 \x03(\x04\x12\r\n\x05reset\x18\x05 \x01(\x08\x12\x13\n\x0bhost_stored\x18\x06 \x03(\x04\x12\x14\n\x0chost_removed\x18\x07 \x03(\x04\"-\n\x08KvResync\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"R\n\x0eSharedKvEvents\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\r\n\x05reset\x18\x04 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.yinian.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1322
-  _globals['_FINISHREASON']._serialized_end=1467
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1582
+  _globals['_FINISHREASON']._serialized_end=1727
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=558
-  _globals['_TOKENLOGPROB']._serialized_start=560
-  _globals['_TOKENLOGPROB']._serialized_end=623
-  _globals['_POSITIONLOGPROBS']._serialized_start=625
-  _globals['_POSITIONLOGPROBS']._serialized_end=722
-  _globals['_USAGE']._serialized_start=724
-  _globals['_USAGE']._serialized_end=804
-  _globals['_LOADREPORT']._serialized_start=807
-  _globals['_LOADREPORT']._serialized_end=1047
-  _globals['_KVEVENTS']._serialized_start=1050
-  _globals['_KVEVENTS']._serialized_end=1188
-  _globals['_KVRESYNC']._serialized_start=1190
-  _globals['_KVRESYNC']._serialized_end=1235
-  _globals['_SHAREDKVEVENTS']._serialized_start=1237
-  _globals['_SHAREDKVEVENTS']._serialized_end=1319
+  _globals['_SAMPLINGPARAMS']._serialized_end=726
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=568
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=616
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=728
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=818
+  _globals['_TOKENLOGPROB']._serialized_start=820
+  _globals['_TOKENLOGPROB']._serialized_end=883
+  _globals['_POSITIONLOGPROBS']._serialized_start=885
+  _globals['_POSITIONLOGPROBS']._serialized_end=982
+  _globals['_USAGE']._serialized_start=984
+  _globals['_USAGE']._serialized_end=1064
+  _globals['_LOADREPORT']._serialized_start=1067
+  _globals['_LOADREPORT']._serialized_end=1307
+  _globals['_KVEVENTS']._serialized_start=1310
+  _globals['_KVEVENTS']._serialized_end=1448
+  _globals['_KVRESYNC']._serialized_start=1450
+  _globals['_KVRESYNC']._serialized_end=1495
+  _globals['_SHAREDKVEVENTS']._serialized_start=1497
+  _globals['_SHAREDKVEVENTS']._serialized_end=1579
 # @@protoc_insertion_point(module_scope)
