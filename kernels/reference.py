@@ -119,8 +119,13 @@ def fused_moe(
         h = silu_and_mul(x[token_of[start : start + count]] @ w13[expert].t())
         out[rows] = h @ w2[expert].t()
         start += count
-    weighted = out.view(tokens, top_k, -1) * topk_weights.to(x.dtype).unsqueeze(-1)
-    return weighted.sum(dim=1)
+    return moe_sum(out.view(tokens, top_k, -1), topk_weights)
+
+
+def moe_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k * out_k: [T, k, H] expert outputs, [T, k] weights -> [T, H]. Remote
+    experts (services/common/experts) return unweighted outputs; the worker ends with this."""
+    return (pair_out * topk_weights.to(pair_out.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 def copy_blocks(

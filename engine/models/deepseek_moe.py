@@ -36,7 +36,7 @@ class DeepseekMoE(SparseMoE):
         self.shared_experts = MLP(config.hidden_size, width) if width else None
 
     def route(self, x):
-        logits = F.linear(x.float(), self.gate)
+        logits = self.skewed(F.linear(x.float(), self.gate))
         if self.greedy:  # V2 greedy: the plain softmax top-k, never renormalised
             weights, ids = ops.moe_route(logits, self.top_k, False)
             return (weights * self.scaling if self.scaling != 1.0 else weights), ids
@@ -45,8 +45,12 @@ class DeepseekMoE(SparseMoE):
             self.scaling, self.scoring, self.e_score_correction_bias,
         )  # fmt: skip
 
-    def forward(self, x):
-        routed = super().forward(x)
-        if self.shared_experts is None:
-            return routed
-        return routed + self.shared_experts(x)
+    def dispatch(self, x):
+        return x, super().dispatch(x)
+
+    def combine(self, sent):
+        x, handle = sent
+        # The shared experts run here while the routed ones may still be elsewhere.
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        routed = super().combine(handle)
+        return routed if shared is None else routed + shared

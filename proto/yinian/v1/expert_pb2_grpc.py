@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ExpertStub:
-    """Missing associated documentation comment in .proto file."""
+    """One expert service: expert weights of every MoE layer, serving worker groups.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -34,29 +35,68 @@ class ExpertStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Dispatch = channel.unary_unary(
-                '/yinian.v1.Expert/Dispatch',
-                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.SerializeToString,
-                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.FromString,
+        self.Join = channel.unary_unary(
+                '/yinian.v1.Expert/Join',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.JoinRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.JoinResponse.FromString,
+                _registered_method=True)
+        self.LoadExperts = channel.unary_unary(
+                '/yinian.v1.Expert/LoadExperts',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.FromString,
+                _registered_method=True)
+        self.FreeExperts = channel.unary_unary(
+                '/yinian.v1.Expert/FreeExperts',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.FromString,
                 _registered_method=True)
         self.GetExpertLoad = channel.unary_unary(
                 '/yinian.v1.Expert/GetExpertLoad',
                 request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoadRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoad.FromString,
                 _registered_method=True)
+        self.SetLoadCollection = channel.unary_unary(
+                '/yinian.v1.Expert/SetLoadCollection',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.FromString,
+                _registered_method=True)
 
 
 class ExpertServicer:
-    """Missing associated documentation comment in .proto file."""
+    """One expert service: expert weights of every MoE layer, serving worker groups.
+    """
 
-    def Dispatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Join(self, request, context):
+        """Joins the data-path group a worker made (TCPStore rendezvous, gloo or nccl).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadExperts(self, request, context):
+        """Loads the experts of a coming placement, keeping those it holds now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeExperts(self, request, context):
+        """Frees every expert not in the set (every worker has switched past the old ones).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetExpertLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Tokens computed per (layer, logical expert) since the last call; resets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLoadCollection(self, request, context):
+        """Turns load counting on (a statistics window) or off.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -64,15 +104,30 @@ class ExpertServicer:
 
 def add_ExpertServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Dispatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.Dispatch,
-                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.FromString,
-                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.SerializeToString,
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.JoinRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.JoinResponse.SerializeToString,
+            ),
+            'LoadExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadExperts,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.SerializeToString,
+            ),
+            'FreeExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeExperts,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.SerializeToString,
             ),
             'GetExpertLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetExpertLoad,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoadRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoad.SerializeToString,
+            ),
+            'SetLoadCollection': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLoadCollection,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -83,10 +138,11 @@ def add_ExpertServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Expert:
-    """Missing associated documentation comment in .proto file."""
+    """One expert service: expert weights of every MoE layer, serving worker groups.
+    """
 
     @staticmethod
-    def Dispatch(request,
+    def Join(request,
             target,
             options=(),
             channel_credentials=None,
@@ -99,9 +155,63 @@ class Expert:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/yinian.v1.Expert/Dispatch',
-            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.SerializeToString,
-            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertBatch.FromString,
+            '/yinian.v1.Expert/Join',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.JoinRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Expert/LoadExperts',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Expert/FreeExperts',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSet.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertSetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,6 +239,327 @@ class Expert:
             '/yinian.v1.Expert/GetExpertLoad',
             proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoadRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLoadCollection(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Expert/SetLoadCollection',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.LoadCollection.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ExpertBalancerStub:
+    """The expert balancer (hosted by the scheduler): membership and placements.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterExpert = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/RegisterExpert',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertServiceInfo.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RegisterExpertResponse.FromString,
+                _registered_method=True)
+        self.DeregisterExpert = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/DeregisterExpert',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertResponse.FromString,
+                _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/GetPlacement',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.PlacementRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.FromString,
+                _registered_method=True)
+        self.ReportLost = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/ReportLost',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LostExperts.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.FromString,
+                _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/Rebalance',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
+        self.GetExpertStatus = channel.unary_unary(
+                '/yinian.v1.ExpertBalancer/GetExpertStatus',
+                request_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatusRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatus.FromString,
+                _registered_method=True)
+
+
+class ExpertBalancerServicer:
+    """The expert balancer (hosted by the scheduler): membership and placements.
+    """
+
+    def RegisterExpert(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterExpert(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlacement(self, request, context):
+        """A worker's poll: the current placement (and what the worker has applied).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportLost(self, request, context):
+        """A worker could not reach some members: they are dropped and their experts
+        placed on the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
+        """EPLB on the load gathered so far, applied while serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetExpertStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ExpertBalancerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterExpert': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterExpert,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertServiceInfo.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RegisterExpertResponse.SerializeToString,
+            ),
+            'DeregisterExpert': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterExpert,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.PlacementRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.SerializeToString,
+            ),
+            'ReportLost': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLost,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.LostExperts.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'GetExpertStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetExpertStatus,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatusRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'yinian.v1.ExpertBalancer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('yinian.v1.ExpertBalancer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ExpertBalancer:
+    """The expert balancer (hosted by the scheduler): membership and placements.
+    """
+
+    @staticmethod
+    def RegisterExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/RegisterExpert',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertServiceInfo.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.RegisterExpertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/DeregisterExpert',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.DeregisterExpertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/GetPlacement',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.PlacementRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/ReportLost',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.LostExperts.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertPlacement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/Rebalance',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetExpertStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.ExpertBalancer/GetExpertStatus',
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatusRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_expert__pb2.ExpertStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,14 +59,15 @@ def complete(work, tensor: torch.Tensor, timeout: float, what: str) -> None:
     check_work(work, timeout)
 
 
-def make_group(backend: str, store, rank: int, timeout: float, host: str):
-    """A 2-rank backend object on `store`, outside the default process group."""
+def make_group(backend: str, store, rank: int, timeout: float, host: str, world: int = 2):
+    """A `world`-rank backend object on `store`, outside the default process group
+    (2 ranks for a KV handoff; a worker and its expert services for MoE)."""
     td = timedelta(seconds=timeout)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = td
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
+        return dist.ProcessGroupGloo(store, rank, world, opts)
     opts = dist.ProcessGroupNCCL.Options()
     # Past our own deadlines, so a stuck op is reported by poll_event, and the
     # watchdog's abort (which lets the op's event complete) comes later.
@@ -76,7 +77,7 @@ def make_group(backend: str, store, rank: int, timeout: float, host: str):
     var, old = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ[var] = "2"
     try:
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
     finally:
         os.environ.pop(var) if old is None else os.environ.__setitem__(var, old)
 

@@ -1,0 +1,183 @@
+"""MoE expert services: EPLB on skewed load, replayed and live, and (GPU)
+throughput with the experts in separate processes against colocated.
+
+- eplb_replay: per-layer Zipf load matrices of real model shapes (each layer's
+  hot experts shuffled), placed over expert services contiguously with no
+  spare slot ("without") and by EPLB with 12.5 % redundant slots ("with");
+  max/mean tokens per service, per layer.
+- live_skew: a mesh whose router is skewed (`--router-skew`: a Zipf-shaped bias
+  on the router logits) serving streams on expert services; max/mean tokens
+  per service measured by the balancer from the services' reports, under the
+  placement made without load information, then after an EPLB rebalance on the
+  load just gathered (12.5 % redundant slots); the gathered per-layer load
+  matrix is replayed through both placements too.
+- throughput (CUDA): output tokens/s of qwen3-30b-a3b (dummy weights) with the
+  experts colocated and on expert services. Untested here: no GPU this round.
+
+Usage: python -m bench.gpu.experts --out bench/results/experts.json [--device cpu [--full]]
+Sections: eplb_replay, live_skew, throughput.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.gpu.pd_kill import run_streams
+from bench.gpu.sections import Sections, script_parser
+from engine.make_model import preset_config, write_model
+from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
+from services.common.experts.eplb import imbalance, rebalance_experts
+from services.common.processes import free_port
+from services.common.tls import sync_channel
+from yinian.mesh import Mesh, MeshSpec
+
+# (name, MoE layers, experts, services): Qwen3-30B-A3B over 8, DeepSeek-V3 over 32.
+SHAPES = [("qwen3-30b-a3b", 48, 128, 8), ("deepseek-v3", 58, 256, 32)]
+DRY_SHAPES = [("small", 4, 32, 4)]
+SKEW = 1.2  # Zipf exponent: the hottest expert of a layer gets ~rank^-1.2 of the load
+REPORTS_SETTLE = 1.5  # s: the services' last load reports (every 0.5 s) reach the balancer
+
+
+def zipf_loads(layers: int, experts: int, skew: float, tokens: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** skew
+    rows = [shape[torch.randperm(experts, generator=g)] for _ in range(layers)]
+    return torch.stack(rows) / shape.sum() * tokens
+
+
+def contiguous(layers: int, experts: int) -> torch.Tensor:
+    """Service g holds experts [g E/G, (g+1) E/G): the placement without EPLB."""
+    return torch.arange(experts).expand(layers, experts)
+
+
+def balance(weight: torch.Tensor, services: int, redundancy: float = 0.125) -> dict:
+    layers, experts = weight.shape
+    slots = services * -(-int(experts * (1 + redundancy)) // services)
+    eplb = rebalance_experts(weight, slots, 1, 1, services).phy2log
+    without = imbalance(weight, contiguous(layers, experts), services)
+    with_eplb = imbalance(weight, eplb, services)
+    return {
+        "services": services, "experts": experts, "slots": slots,
+        "without_mean": without.mean().item(), "without_worst": without.max().item(),
+        "with_mean": with_eplb.mean().item(), "with_worst": with_eplb.max().item(),
+    }  # fmt: skip
+
+
+def eplb_replay(shapes) -> dict:
+    out = {}
+    for name, layers, experts, services in shapes:
+        started = time.monotonic()
+        row = balance(zipf_loads(layers, experts, SKEW, 1e6, seed=3), services)
+        row["eplb_seconds"] = time.monotonic() - started
+        out[name] = row
+    return out
+
+
+def skewed_model(root, experts: int):
+    config = preset_config("tiny-moe")
+    config.update(num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=16)
+    return write_model(root / f"tiny-moe-{experts}", config, seed=1)
+
+
+def live_skew(root, experts: int, services: int, streams: int, tokens: int) -> dict:
+    folder = skewed_model(root, experts)
+    redundant = int(experts * 0.125)
+    spec = MeshSpec(
+        model=str(folder), workers=1, experts=services, port=free_port(),
+        engine_argv=["--device", "cpu", "--router-skew", str(SKEW)],
+        scheduler_argv=["--expert-redundant-slots", str(redundant)],
+        expert_argv=["--slots", str(-(-(experts + redundant) // services))],
+    )  # fmt: skip
+    prompts = [[(17 * i + 5 * j) % 500 for j in range(8 + i % 13)] for i in range(streams)]
+    with Mesh(spec) as mesh:
+        stub = expert_pb2_grpc.ExpertBalancerStub(sync_channel(mesh.scheduler_address, None))
+        status = lambda: stub.GetExpertStatus(expert_pb2.ExpertStatusRequest())  # noqa: E731
+        while len(status().placement.members) < services:
+            if status().placement.members:
+                stub.Rebalance(expert_pb2.RebalanceRequest())
+            time.sleep(0.2)
+        stub.Rebalance(expert_pb2.RebalanceRequest())  # a fresh, load-free placement
+        run_streams(mesh, folder.name, prompts, tokens)
+        time.sleep(REPORTS_SETTLE)
+        before = list(status().measured_imbalance)
+        window = _window(status())
+        reply = stub.Rebalance(expert_pb2.RebalanceRequest())
+        run_streams(mesh, folder.name, prompts, tokens)
+        time.sleep(REPORTS_SETTLE)
+        after = status()
+    replay = balance(window, services) if window is not None else {}
+    return {
+        "experts": experts, "services": services, "slots": (experts + redundant),
+        "measured_without": before, "measured_with": list(after.measured_imbalance),
+        "predicted_before": list(reply.imbalance_before),
+        "predicted_after": list(reply.imbalance_after),
+        "window_tokens": reply.window_tokens, "replay": replay,
+        "mean_without": sum(before) / max(1, len(before)),
+        "mean_with": sum(after.measured_imbalance) / max(1, len(after.measured_imbalance)),
+    }  # fmt: skip
+
+
+def _window(status: expert_pb2.ExpertStatus) -> torch.Tensor | None:
+    """The load the balancer gathered, [MoE layers, experts] (what EPLB balances)."""
+    placement = status.placement
+    if not status.window_load:
+        return None
+    return torch.tensor(list(status.window_load)).view(placement.num_moe_layers, -1)
+
+
+def throughput(streams: int, tokens: int, experts: int) -> dict:
+    """UNTESTED (no GPU this round): colocated vs expert services on the GPU."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.gpu.models import preset_folder
+
+    root = Path(tempfile.mkdtemp(prefix="experts-"))
+    folder, _ = preset_folder(root, "qwen3-30b-a3b")
+    prompts = [[(31 * i + j) % 1000 for j in range(128)] for i in range(streams)]
+    out = {}
+    for name, count in (("colocated", 0), ("expert_services", experts)):
+        spec = MeshSpec(
+            model=str(folder), workers=1, experts=count, port=free_port(),
+            engine_argv=["--load-format", "dummy", "--dtype", "bfloat16"],
+            expert_argv=["--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
+                         "--slots", "128"],
+        )  # fmt: skip
+        mesh = Mesh(spec).start(timeout=1800)
+        try:
+            started = time.monotonic()
+            results, _, _ = run_streams(mesh, folder.name, prompts, tokens)
+            elapsed = time.monotonic() - started
+        finally:
+            mesh.stop()
+        done = sum(r["error"] is None for r in results)
+        out[name] = {"output_tok_s": done * tokens / elapsed, "failed": len(results) - done}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="on the cpu: live_skew at full size (32 experts, 4 services)",
+    )
+    args = parser.parse_args(argv)
+    dry = args.device == "cpu" and not args.full
+    with Sections(args, script="experts") as section:
+        section("eplb_replay", lambda: eplb_replay(DRY_SHAPES if dry else SHAPES))
+        section("live_skew", lambda: live_skew(section.tmp, 16 if dry else 32, 2 if dry else 4,
+                                               8 if dry else 32, 6 if dry else 32))  # fmt: skip
+        section("throughput", lambda: throughput(64, 128, 4), needs="CUDA")
+        for name, row in (section.results.get("eplb_replay") or {}).items():
+            if "with_mean" in row:
+                print(f"{name}: max/mean without {row['without_mean']:.2f} "
+                      f"(worst {row['without_worst']:.2f}), with EPLB {row['with_mean']:.2f} "
+                      f"(worst {row['with_worst']:.2f}) on {row['slots']} slots")  # fmt: skip
+        return section.results
+
+
+if __name__ == "__main__":
+    main()

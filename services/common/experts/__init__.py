@@ -1,0 +1,4 @@
+"""Expert parallelism across processes, the parts workers, expert services and
+the balancer share: EPLB (`eplb.py`), placements (`placement.py`), the
+per-layer data path (`wire.py`, `group.py`), the worker's remote backend
+(`remote.py`, `step_record.py`) and control loop (`control.py`), metrics."""

@@ -1,0 +1,119 @@
+"""An expert service's data path: one thread per worker group it joined, each
+receiving that worker's dispatches, computing them and answering, until the
+worker leaves or the group breaks (a peer died, the worker aborted it)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from services.common.experts import metrics
+from services.common.experts.wire import MemberPort, row_bytes, unpack
+from services.common.kv_transport.nccl_group import (
+    FOREVER,
+    abort_group,
+    make_group,
+    store_client,
+)
+from services.expert.expert_store import ExpertStore
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("gloo", "nccl")
+
+
+class GroupServer:
+    def __init__(self, store: ExpertStore, expert_id: str, host: str, model: str,
+                 hidden_size: int):  # fmt: skip
+        self.store, self.expert_id, self.host = store, expert_id, host
+        self.model, self.hidden_size = model, hidden_size
+        self._threads: dict[str, threading.Thread] = {}
+        self._groups: dict[str, object] = {}  # group id -> its process group, while served
+        self._lock = threading.Lock()
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.store.dtype).removeprefix("torch.")
+
+    def check(self, request) -> None:
+        """Everything a Join must agree on; a ValueError before any thread starts."""
+        if request.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {request.backend!r}")
+        if request.world_size < 2 or not 1 <= request.rank < request.world_size:
+            raise ValueError(f"rank {request.rank} does not fit a group of {request.world_size}")
+        if request.dtype != self.dtype_name:
+            raise ValueError(f"the worker computes in {request.dtype}, this service in "
+                             f"{self.dtype_name}")  # fmt: skip
+        if request.hidden_size != self.hidden_size:
+            raise ValueError(f"hidden size {request.hidden_size} != {self.hidden_size}")
+        if request.model and self.model and request.model != self.model:
+            raise ValueError(f"the worker serves {request.model}, this service {self.model}")
+        if not request.store_host or not request.store_port:
+            raise ValueError("a Join needs the rendezvous store's host and port")
+
+    def join(self, request) -> None:
+        self.check(request)
+        thread = threading.Thread(target=self._serve, args=(request,), daemon=True,
+                                  name=f"expert-group-{request.group_id}")  # fmt: skip
+        with self._lock:
+            self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
+            self._threads[request.group_id] = thread
+        thread.start()
+
+    @property
+    def num_groups(self) -> int:
+        with self._lock:
+            return sum(t.is_alive() for t in self._threads.values())
+
+    def _serve(self, request) -> None:
+        try:
+            client = store_client(request.store_host, request.store_port,
+                                  request.timeout_seconds or 30.0)  # fmt: skip
+            # A member waits as long as the worker is idle; a dead peer ends the
+            # wait at once (its connections close), not a timeout.
+            pg = make_group(request.backend, client, request.rank, FOREVER.total_seconds(),
+                            self.host, request.world_size)  # fmt: skip
+        except Exception as exc:
+            logger.warning("could not join group %s: %s", request.group_id, exc)
+            return
+        with self._lock:
+            self._groups[request.group_id] = pg
+        device = self.store.device
+        port = MemberPort(pg, request.world_size, request.rank, device,
+                          row_bytes(self.store.dtype, self.hidden_size))  # fmt: skip
+        labels = {"expert_id": self.expert_id}
+        logger.info("serving group %s as rank %d of %d", request.group_id, request.rank,
+                    request.world_size)  # fmt: skip
+        try:
+            while True:
+                received = port.receive()
+                if received is None:
+                    break
+                started = time.monotonic()
+                layer, payload = received
+                rows, ids = unpack(payload, self.store.dtype, self.hidden_size)
+                with torch.inference_mode():
+                    out = self.store.compute(layer, rows, ids)
+                port.reply(out)
+                metrics.SERVICE_TOKENS.labels(**labels).inc(rows.shape[0])
+                metrics.SERVICE_COMPUTE_SECONDS.labels(**labels).observe(time.monotonic() - started)
+            logger.info("group %s: the worker left", request.group_id)
+        except Exception as exc:  # the group broke; the worker forms a new one
+            logger.warning("group %s ended: %s", request.group_id, str(exc)[:200])
+        finally:
+            with self._lock:
+                self._groups.pop(request.group_id, None)
+            abort_group(pg)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Aborts every group (their waits end) and joins the threads: a thread still
+        inside a collective when the interpreter exits would abort the process."""
+        with self._lock:
+            groups, threads = list(self._groups.values()), list(self._threads.values())
+        for pg in groups:
+            abort_group(pg)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

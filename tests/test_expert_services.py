@@ -1,0 +1,96 @@
+"""MoE experts on expert services, as real processes over gloo: an engine
+whose routed experts run on 2 or 4 expert services gives the single-process
+engine's greedy tokens (float32), with ping-pong micro-batches off and on, for
+Qwen3-MoE, Mixtral and DeepSeek-V3 (shared experts stay on the worker); a
+service of another model is refused."""
+
+from __future__ import annotations
+
+import pytest
+from expert_cluster import (
+    GREEDY,
+    PROMPTS,
+    balancer,
+    expert_cluster,
+    generate_remote,
+    wait_for_placement,
+)
+
+from engine import LLM
+from proto.yinian.v1 import expert_pb2
+
+pytestmark = pytest.mark.timeout(240)
+PING_PONG = {"micro_batches": 2, "micro_batch_decode_tokens": 2, "micro_batch_prefill_tokens": 2}
+
+
+def reference(model) -> list[list[int]]:
+    outputs = LLM(model, device="cpu").generate(PROMPTS, GREEDY)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(model_dir):
+    model = str(model_dir("tiny-moe"))
+    return model, reference(model)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-services", "4-services"])
+def cluster(request, tiny_moe):
+    mesh = expert_cluster(tiny_moe[0], request.param)
+    try:
+        wait_for_placement(mesh, request.param)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def hidden_seconds(stats: dict) -> float:
+    """Expert round-trip time the worker spent on other work, not waiting."""
+    return stats["round_trip_seconds"] - stats["wait_seconds"]
+
+
+def test_tokens_equal_the_single_process_engine_with_ping_pong_off_and_on(cluster, tiny_moe):
+    model, expected = tiny_moe
+    whole, whole_stats = generate_remote(cluster, model)
+    split, split_stats = generate_remote(cluster, model, **PING_PONG)
+    assert whole == expected
+    assert split == expected
+    for stats in (whole_stats, split_stats):
+        # every (token, expert) pair went to a service; none fell back
+        assert stats["remote_pairs"] > 0 and stats["local_pairs"] == 0
+        assert stats["fallbacks"] == 0
+    # micro-batches: two dispatches per MoE layer and step, and the services work
+    # on one while the worker computes the other's attention
+    assert split_stats["dispatches"] > 1.5 * whole_stats["dispatches"]
+    assert hidden_seconds(split_stats) > 3 * hidden_seconds(whole_stats)
+
+
+def assert_refused(mesh, other_model: str) -> None:
+    """A service of another model exits at start with the balancer's reason, and
+    the placement stays as it was."""
+    members = len(
+        balancer(mesh).GetExpertStatus(expert_pb2.ExpertStatusRequest()).placement.members
+    )
+    argv = ["--model", other_model, "--scheduler", mesh.scheduler_address,
+            "--nats-url", mesh.nats_url, "--expert-id", "stranger"]  # fmt: skip
+    stranger = mesh._spawn("stranger", "services.expert", argv)
+    assert stranger.proc.wait(timeout=60) != 0
+    stranger.pump.join(10)
+    assert "refused" in (mesh.log_dir / "stranger.log").read_text()
+    assert len(wait_for_placement(mesh, members).placement.members) == members
+
+
+@pytest.mark.parametrize("name", ["mixtral", "tiny-deepseek-v3"])
+def test_other_moe_models_on_two_services(model_dir, name):
+    model = str(model_dir(name))
+    expected = reference(model)
+    mesh = expert_cluster(model, 2)
+    try:
+        wait_for_placement(mesh, 2)
+        got, stats = generate_remote(mesh, model, **PING_PONG)
+        if name == "mixtral":  # while this cluster is up
+            assert_refused(mesh, str(model_dir("tiny-moe")))
+    finally:
+        mesh.stop()
+    assert got == expected
+    assert stats["remote_pairs"] > 0 and stats["local_pairs"] == 0
