@@ -1,44 +1,35 @@
-"""The whole mesh on one machine: NATS, the scheduler, workers and the
-gateway as child processes, started in order and each waited for until it
-says it is ready. Used by `yinian up` and by the tests.
-
-Children die with the launcher (Linux parent-death signal), so even a killed
-launcher leaves no process behind.
+"""The whole mesh on one machine: NATS, Redis, the KV store, the scheduler,
+workers and gateways as child processes (yinian/children.py), started in order
+and each waited for until it says it is ready; any of them can be killed and
+started again as it was (same ports). Used by `yinian up` (under its
+supervisor), the tests and the reliability benchmarks.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import subprocess
+import ssl
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.processes import free_port, start_nats, start_redis, stop_process
+from services.common.processes import (
+    check_port_free,
+    free_port,
+    nats_server_binary,
+    redis_command,
+    redis_server_binary,
+    stop_processes,
+)
+from services.common.tls import TlsFiles
+from yinian.children import Child, StartCancelled, launch, wait_ready
 
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    ready: threading.Event = field(default_factory=threading.Event)
-    ready_line: str = ""
-    log_path: Path | None = None
-    command: list[str] = field(default_factory=list)  # to start it again
-    env: dict[str, str] = field(default_factory=dict)
-    starts: int = 1
+INFRASTRUCTURE = ("nats", "redis")  # stopped after the services, which talk to them
 
 
 @dataclass
@@ -64,22 +55,28 @@ class MeshSpec:
     # turn; each worker sees all of them, its own first, so NCCL and CUDA IPC reach peers.
     gpus: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    gateways: int = 1  # the first on `port`/`grpc_port`, the others on free ports
+    tls: TlsFiles | None = None  # every service's certificate, key and CA (mutual TLS)
+    drain_timeout: float = 30.0  # a stopped worker's time to finish its streams
     # The KV store (shared tier + global index) and the Redis behind it: started here
     # unless `redis_url` names one; without any redis-server the store runs the
     # index only (host tiers still work).
     kvstore: bool = False
     redis_url: str | None = None
     kvstore_argv: list[str] = field(default_factory=list)
+    # MoE expert services (services/expert); with any, workers compute their routed
+    # experts there (--expert-parallel) once the scheduler's balancer placed them.
+    experts: int = 0
+    expert_argv: list[str] = field(default_factory=list)
 
 
 class Mesh:
     def __init__(self, spec: MeshSpec):
         self.spec = spec
         self.children: list[Child] = []
-        self.nats_proc: subprocess.Popen | None = None
         self.nats_url = spec.nats_url
-        self.redis_proc: subprocess.Popen | None = None
         self.redis_url = spec.redis_url
+        self.gateway_ports: list[tuple[int, int]] = []  # (REST, gRPC) of each gateway
         self.kvstore_address = ""
         self.scheduler_address = ""
         self.grpc_port = spec.grpc_port or free_port()
@@ -89,7 +86,19 @@ class Mesh:
 
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.port}"
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        """Each gateway's REST address."""
+        scheme = "https" if self.spec.tls else "http"
+        ports = self.gateway_ports or [(self.spec.port, self.grpc_port)]
+        return [f"{scheme}://{self.spec.host}:{rest}" for rest, _ in ports]
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """What a REST client of a TLS mesh verifies the gateways with."""
+        tls = self.spec.tls
+        return ssl.create_default_context(cafile=tls.ca or None) if tls else None
 
     def gpu_env(self, index: int) -> dict[str, str]:
         """CUDA_VISIBLE_DEVICES for the index-th worker: its GPU first, then the rest."""
@@ -104,56 +113,50 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        if self.spec.tls is not None:  # every service's TlsSettings read these
+            tls = self.spec.tls
+            env.update(YINIAN_TLS_CERT=tls.cert, YINIAN_TLS_KEY=tls.key, YINIAN_TLS_CA=tls.ca)
         env.update(self.spec.role_env.get(role, {}))
         env.update(extra or {})
-        child = self._launch(name, [sys.executable, "-m", module, *argv], env)
+        return self._add(launch(name, [sys.executable, "-m", module, *argv], env,
+                                self.log_dir / f"{name}.log"))  # fmt: skip
+
+    def _add(self, child: Child) -> Child:
         self.children.append(child)
         return child
 
-    def _launch(self, name: str, command: list[str], env: dict, starts: int = 1) -> Child:
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
-            text=True,
-            start_new_session=True,
-        )
-        child = Child(name, proc, log_path=self.log_dir / f"{name}.log", command=command,
-                      env=env, starts=starts)  # fmt: skip
-        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
-        return child
-
-    def respawn(self, name: str, timeout: float = 120.0) -> Child:
+    def relaunch(self, name: str) -> Child:
         """Starts a child again with its first command (stopping it first if it still
-        runs) and waits until it is ready; its log continues."""
+        runs; a worker drains); returns at once, `wait_ready` waits. Its log continues."""
         old = self.child(name)
-        stop_process(old.proc)
-        new = self._launch(name, old.command, old.env, old.starts + 1)
+        stop_processes([old.proc], timeout=self.spec.drain_timeout + 10)
+        new = launch(name, old.command, old.env, old.log_path, old.starts + 1, old.says_ready)
         self.children[self.children.index(old)] = new
-        self._wait([new], time.monotonic() + timeout)
         return new
 
-    @staticmethod
-    def _pump(child: Child) -> None:
-        with open(child.log_path, "a" if child.starts > 1 else "w") as log:
-            for line in child.proc.stdout:
-                log.write(line)
-                log.flush()
-                if line.startswith("READY "):
-                    child.ready_line = line.strip()
-                    child.ready.set()
+    def respawn(self, name: str, timeout: float = 120.0) -> Child:
+        """`relaunch`, then waits until it is ready."""
+        new = self.relaunch(name)
+        wait_ready([new], time.monotonic() + timeout)
+        return new
 
-    def _wait(self, children: list[Child], deadline: float) -> None:
-        for child in children:
-            while not child.ready.wait(timeout=0.1):
-                if child.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{child.name} exited with {child.proc.returncode}; see {child.log_path}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{child.name} not ready in time; see {child.log_path}")
+    def _start_nats(self) -> Child:
+        port = free_port()
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        command = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        return self._add(launch("nats", command, dict(os.environ), self.log_dir / "nats.log",
+                                says_ready=lambda line: "Server is ready" in line))  # fmt: skip
+
+    def _start_redis(self) -> Child | None:
+        binary = redis_server_binary()
+        if binary is None:
+            return None
+        port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        data_dir = tempfile.mkdtemp(prefix="yinian-redis-", dir=self.log_dir)
+        return self._add(launch("redis", redis_command(binary, port, data_dir), dict(os.environ),
+                                self.log_dir / "redis.log",
+                                says_ready=lambda line: "Ready to accept" in line))  # fmt: skip
 
     def worker_args(self, worker_id: str, role: str) -> list[str]:
         """Flags of a worker: the prefill service has one role; the decode service
@@ -171,16 +174,23 @@ class Mesh:
             "--host",
             self.spec.host,
             *(["--kvstore", self.kvstore_address] if self.kvstore_address else []),
+            *(["--expert-parallel"] if self.spec.experts else []),
+            "--drain-timeout",
+            str(self.spec.drain_timeout),
             *self.spec.engine_argv,
             *self.spec.worker_argv,
             *self.spec.role_argv.get(role, []),
         ]
 
-    def start(self, timeout: float = 120.0) -> Mesh:
+    def start(self, timeout: float = 120.0, cancel: threading.Event | None = None) -> Mesh:
+        """Starts everything in order; setting `cancel` stops the start-up at once
+        (StartCancelled), and whatever was started is stopped."""
         deadline = time.monotonic() + timeout
+        self.check_ports()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.nats_url:
-                self.nats_proc, self.nats_url = start_nats()
+                wait_ready([self._start_nats()], deadline, cancel)
             sched_port = free_port()
             self.scheduler_address = f"{self.spec.host}:{sched_port}"
             scheduler = self._spawn(
@@ -198,8 +208,8 @@ class Mesh:
             )
             started = [scheduler]
             if self.spec.kvstore:
-                started.append(self._start_kvstore())
-            self._wait(started, deadline)
+                started.append(self._start_kvstore(deadline, cancel))
+            wait_ready(started, deadline, cancel)
             roles = [
                 ("worker", "colocated", "decode", self.spec.workers),
                 ("prefill", "prefill", "prefill", self.spec.prefill),
@@ -216,38 +226,45 @@ class Mesh:
                 )
                 for n, (prefix, role, module, i) in enumerate(placed)
             ]
-            gateway = self._spawn(
-                "gateway",
-                "services.gateway",
-                [
-                    "--model",
-                    self.spec.model,
-                    "--host",
-                    self.spec.host,
-                    "--port",
-                    str(self.spec.port),
-                    "--grpc-port",
-                    str(self.grpc_port),
-                    "--scheduler",
-                    self.scheduler_address,
-                    *self.spec.gateway_argv,
-                ],
-            )
-            self._wait([*workers, gateway], deadline)
-            self._wait_healthy(deadline)
+            workers += [self._spawn_expert(i) for i in range(self.spec.experts)]
+            gateways = [self._spawn_gateway(i) for i in range(self.spec.gateways)]
+            wait_ready([*workers, *gateways], deadline, cancel)
+            for url in self.urls[: self.spec.gateways]:  # none: a mesh of back ends only
+                self._wait_healthy(url, deadline, cancel)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_kvstore(self) -> Child:
+    def check_ports(self) -> None:
+        """The first gateway's fixed ports must be free (a StartupError naming the port)."""
+        if self.spec.gateways:
+            check_port_free(self.spec.host, self.spec.port, "REST")
+            check_port_free(self.spec.host, self.grpc_port, "gRPC")
+
+    def _spawn_gateway(self, index: int) -> Child:
+        ports = (self.spec.port, self.grpc_port) if index == 0 else (free_port(), free_port())
+        self.gateway_ports.append(ports)
+        argv = ["--model", self.spec.model, "--host", self.spec.host, "--port", str(ports[0]),
+                "--grpc-port", str(ports[1]), "--scheduler", self.scheduler_address]  # fmt: skip
+        name = "gateway" if index == 0 else f"gateway-{index}"
+        return self._spawn(name, "services.gateway", [*argv, *self.spec.gateway_argv])
+
+    def _spawn_expert(self, index: int) -> Child:
+        argv = ["--model", self.spec.model, "--host", self.spec.host, "--scheduler",
+                self.scheduler_address, "--nats-url", self.nats_url, "--expert-id",
+                f"expert-{index}", *self.spec.expert_argv]  # fmt: skip
+        return self._spawn(f"expert-{index}", "services.expert", argv, "expert")
+
+    def _start_kvstore(self, deadline: float, cancel: threading.Event | None) -> Child:
         if self.redis_url is None:
-            try:
-                self.redis_proc, self.redis_url = start_redis()
-            except FileNotFoundError:
+            redis = self._start_redis()
+            if redis is None:
                 self.redis_url = ""
                 print("no redis-server found: the shared KV tier is off (host tiers only)",
                       flush=True)  # fmt: skip
+            else:
+                wait_ready([redis], deadline, cancel)
         port = free_port()
         self.kvstore_address = f"{self.spec.host}:{port}"
         argv = ["--host", self.spec.host, "--port", str(port), "--nats-url", self.nats_url]
@@ -257,18 +274,18 @@ class Mesh:
 
     def kill_redis(self) -> None:
         """SIGKILL the mesh's Redis (a crash, for tests); `restart_redis` brings it back."""
-        os.killpg(self.redis_proc.pid, signal.SIGKILL)
-        self.redis_proc.wait(timeout=10)
+        self.kill("redis")
 
     def restart_redis(self) -> None:
         """A fresh, empty Redis on the same port."""
-        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-        self.redis_proc, _ = start_redis(port)
+        self.respawn("redis", timeout=10)
 
-    def _wait_healthy(self, deadline: float) -> None:
-        while True:
+    def _wait_healthy(self, url: str, deadline: float, cancel: threading.Event | None) -> None:
+        while not (cancel is not None and cancel.is_set()):
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(
+                    f"{url}/health", timeout=2, context=self.ssl_context()
+                ) as resp:
                     if resp.status == 200:
                         return
             except OSError:
@@ -276,6 +293,7 @@ class Mesh:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway not healthy in time; logs in {self.log_dir}")
             time.sleep(0.1)
+        raise StartCancelled("stopped while waiting for the gateway to be ready")
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -287,13 +305,10 @@ class Mesh:
         child.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            stop_process(child.proc)
-        for attr in ("nats_proc", "redis_proc"):
-            proc = getattr(self, attr)
-            if proc is not None:
-                stop_process(proc)
-                setattr(self, attr, None)
+        """Stops the services together, then NATS and Redis."""
+        services = [c.proc for c in self.children if c.name not in INFRASTRUCTURE]
+        stop_processes(services)
+        stop_processes([c.proc for c in self.children if c.name in INFRASTRUCTURE])
 
     def __enter__(self) -> Mesh:
         return self.start()

@@ -3,14 +3,14 @@ worker's Prometheus metrics (for tests and benchmarks)."""
 
 from __future__ import annotations
 
-import grpc
 import httpx
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import sync_channel
 
 
 def list_workers(mesh):
-    channel = grpc.insecure_channel(mesh.scheduler_address)
+    channel = sync_channel(mesh.scheduler_address, mesh.spec.tls)
     return (
         scheduler_pb2_grpc.SchedulerStub(channel)
         .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
@@ -26,9 +26,7 @@ def workers_by_role(mesh) -> dict[str, list]:
     return out
 
 
-def worker_metric(
-    mesh, name: str, role: str | None = None, where: str = ""
-) -> dict[str, float]:
+def worker_metric(mesh, name: str, role: str | None = None, where: str = "") -> dict[str, float]:
     """Per worker (of one role, if given), the sum of the samples of a metric (those
     whose labels contain `where`, e.g. 'tier="host"')."""
     out: dict[str, float] = {}
@@ -39,10 +37,10 @@ def worker_metric(
     return out
 
 
-def scrape(url: str, name: str, where: str = "") -> float:
+def scrape(url: str, name: str, where: str = "", verify=True) -> float:
     """The sum of the samples of metric `name` (every label set containing `where`)
     at a /metrics URL."""
-    text = httpx.get(url, timeout=5).text
+    text = httpx.get(url, timeout=5, verify=verify).text
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
@@ -51,7 +49,7 @@ def scrape(url: str, name: str, where: str = "") -> float:
 
 
 def gateway_metric(mesh, name: str) -> float:
-    return scrape(f"{mesh.url}/metrics", name)
+    return scrape(f"{mesh.url}/metrics", name, verify=mesh.ssl_context() or True)
 
 
 def metric_sum(mesh, name: str, role: str = "decode") -> float:

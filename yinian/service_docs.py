@@ -21,6 +21,7 @@ TABLES = {
     "worker": ("services.common.worker_config:WorkerSettings", None),
     "decode": ("services.decode.config:DecodeConfig", "worker"),
     "kvstore": ("services.kvstore.config:KvStoreConfig", None),
+    "expert": ("services.expert.config:ExpertConfig", None),
     "engine": ("engine.config:EngineConfig", None),
 }
 _BLOCK = re.compile(r"(<!-- flags:(\w+) -->\n).*?(<!-- /flags -->)", re.S)

@@ -1,13 +1,23 @@
-"""`yinian up`: the whole mesh on this machine, until Ctrl-C."""
+"""`yinian up`: the whole mesh on this machine, kept running (a service that
+exits is started again, yinian/supervisor.py) until Ctrl-C or SIGTERM, or
+until a service keeps failing. A problem at start-up (a taken port, a service
+that cannot start) is one line; Ctrl-C during start-up stops at once."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
+from pathlib import Path
 
+from basis.flags import add_flags, from_args
 from engine.cli_args import add_engine_args, engine_argv, engine_options
+from services.common.entry import StartupError
+from services.common.tls import TlsSettings
+from yinian.children import StartCancelled
 from yinian.mesh import Mesh, MeshSpec
+from yinian.supervisor import GaveUp, Supervisor
 
 
 def add_up_parser(sub) -> None:
@@ -21,12 +31,21 @@ def add_up_parser(sub) -> None:
     )
     p.add_argument("--prefill", type=int, default=0, help="prefill workers")
     p.add_argument("--decode", type=int, default=0, help="decode workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="REST port")
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    p.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port of the gateway")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="gRPC (yinian.v1.Inference) port of the gateway",
+    )
     p.add_argument("--nats-url", help="use this NATS instead of starting one")
     p.add_argument("--api-keys", help="API key file for the gateway")
-    p.add_argument("--allow-unauthenticated", action="store_true")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without API keys on a non-loopback --host",
+    )
     p.add_argument(
         "--start-timeout",
         type=float,
@@ -58,6 +77,38 @@ def add_up_parser(sub) -> None:
         default="prefix",
         help="what workers write to the shared tier after a request (default: prefix)",
     )
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE expert services: the workers send their routed experts' tokens there "
+        "(placed by the scheduler's EPLB balancer)",
+    )
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        help="expert slots per MoE layer on each expert service (default: its own)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS everywhere with a throwaway CA made in the log folder: HTTPS and TLS gRPC "
+        "for clients, mutual TLS between services (or bring your own with --tls-cert, "
+        "--tls-key, --tls-ca)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker sent SIGTERM lets its streams finish before they move",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="a service that exits more often than this within a minute stops the mesh",
+    )
+    add_flags(p, TlsSettings, title="TLS (your own certificates)")
     add_engine_args(p)
     p.set_defaults(func=run_up)
 
@@ -80,6 +131,8 @@ def run_up(args) -> int:
         raise ValueError("the mesh needs at least one colocated or decode worker")
     if args.prefill and not args.decode:
         raise ValueError("prefill workers need decode workers (--decode N)")
+    if args.experts < 0:
+        raise ValueError("--experts must be >= 0")
     gateway_argv = []
     if args.api_keys:
         gateway_argv += ["--api-keys", args.api_keys]
@@ -100,36 +153,63 @@ def run_up(args) -> int:
         kvstore=args.kvstore,
         redis_url=args.redis_url,
         worker_argv=["--kv-write-through", args.kv_write_through],
+        tls=from_args(TlsSettings, args).tls_files(),
+        drain_timeout=args.drain_timeout,
+        experts=args.experts,
+        expert_argv=["--slots", str(args.expert_slots)] if args.expert_slots else [],
     )
     mesh = Mesh(spec)
+    if args.tls:
+        from yinian.local_ca import make_local_ca
+
+        if spec.tls is not None:
+            raise ValueError("--tls makes its own certificates; leave out --tls-cert/--tls-key")
+        spec.tls = make_local_ca(Path(mesh.log_dir) / "tls", [args.host])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh on {model} (logs in {mesh.log_dir}) ...", flush=True)
-    mesh.start(timeout=args.start_timeout)
     try:
-        name = mesh.spec.model.rstrip("/").split("/")[-1]
-        print(
-            f"""
-yinian is ready.
-  REST (OpenAI):  {mesh.url}/v1        health: {mesh.url}/health   metrics: {mesh.url}/metrics
-  gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
-  scheduler:      {mesh.scheduler_address}   NATS: {mesh.nats_url}
-  KV store:       {kv_line(mesh)}
-  model:          {name}
-
-  curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'
-
-Ctrl-C stops everything.""",
-            flush=True,
-        )
-        while not stop.wait(0.5):
-            dead = [c.name for c in mesh.children if c.proc.poll() is not None]
-            if dead:
-                print(f"stopping: {', '.join(dead)} exited (logs in {mesh.log_dir})")
-                return 1
+        mesh.start(timeout=args.start_timeout, cancel=stop)
+    except StartCancelled:
+        print("stopped during start-up; nothing is left running", flush=True)
+        return 130
+    except (StartupError, RuntimeError, TimeoutError) as exc:
+        print(f"yinian up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        print(banner(mesh, args), flush=True)
+        Supervisor(mesh, max_restarts=args.max_restarts).run(stop)
         return 0
+    except GaveUp as exc:
+        print(f"stopping: {exc}", flush=True)
+        return 1
     finally:
         print("stopping the mesh ...", flush=True)
         mesh.stop()
+
+
+def banner(mesh: Mesh, args) -> str:
+    name = mesh.spec.model.rstrip("/").split("/")[-1]
+    tls = mesh.spec.tls
+    curl_tls = f"--cacert {tls.ca} " if tls and tls.ca else ""
+    tls_line = (
+        f"\n  TLS:            on (mutual between services); CA {tls.ca or '(system)'}"
+        if tls
+        else ""
+    )
+    if mesh.spec.experts:  # the balancer is the scheduler's ExpertBalancer service
+        tls_line += f"\n  expert services: {mesh.spec.experts} (placed by EPLB at the scheduler)"
+    return f"""
+yinian is ready.
+  REST (OpenAI):  {mesh.url}/v1        metrics: {mesh.url}/metrics
+  health:         {mesh.url}/health/ready (a worker is ready)   {mesh.url}/health/live
+  gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
+  scheduler:      {mesh.scheduler_address}   NATS: {mesh.nats_url}
+  KV store:       {kv_line(mesh)}{tls_line}
+  model:          {name}
+
+  curl {curl_tls}{mesh.url}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'
+
+A service that exits is started again. Ctrl-C stops everything."""

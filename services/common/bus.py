@@ -27,6 +27,17 @@ def kv_subject(worker_id: str = "*") -> str:
     return f"{SUBJECT_PREFIX}.kv.{worker_id}"
 
 
+def register_subject(worker_id: str = "*") -> str:
+    """The scheduler asks a worker it does not know (it restarted, or dropped the
+    worker while NATS was down) to register again; the message is empty."""
+    return f"{SUBJECT_PREFIX}.register.{worker_id}"
+
+
+def expert_load_subject(expert_id: str = "*") -> str:
+    """An expert service's ExpertLoad reports (its heartbeat, with counts in windows)."""
+    return f"{SUBJECT_PREFIX}.expertload.{expert_id}"
+
+
 # Not under `kv.` (a subscriber to kv.* must only ever see KvEvents).
 KV_RESYNC_SUBJECT = f"{SUBJECT_PREFIX}.kvresync"  # KvResync requests
 SHARED_KV_SUBJECT = f"{SUBJECT_PREFIX}.kvshared"  # SharedKvEvents of the KV store
@@ -48,11 +59,15 @@ class EventBus:
             error_cb=self._on_error,
         )
 
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
     async def _on_error(self, exc: Exception) -> None:
         logger.debug("nats: %s", exc)
 
     async def publish(self, subject: str, message: Message) -> None:
-        if self.nc is None or not self.nc.is_connected:
+        if not self.connected:
             return
         try:
             await self.nc.publish(subject, message.SerializeToString(), headers=nats_headers())

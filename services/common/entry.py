@@ -1,11 +1,18 @@
 """How every service process starts: logging, uvloop where available, and its
-async main run to completion."""
+async main run to completion. A `StartupError` (a taken port, a missing
+certificate) is the operator's to fix: it ends the process with one line that
+names the cause, not a traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable
+
+
+class StartupError(RuntimeError):
+    """The service cannot start for a reason its operator must fix."""
 
 
 def run_service(main: Awaitable[None]) -> int:
@@ -18,5 +25,9 @@ def run_service(main: Awaitable[None]) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main)
+    try:
+        asyncio.run(main)
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0

@@ -14,6 +14,7 @@ from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.channels import OPTIONS
 from services.common.kv_checksum import block_checksum
 from services.common.telemetry import grpc_metadata
+from services.common.tls import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # of a block's bytes: every layer's block, one after another
@@ -39,12 +40,13 @@ class KvStoreClient:
         model: kvstore_pb2.ModelFingerprint,
         timeout: float = 5.0,
         backoff: float = 3.0,
+        tls: TlsFiles | None = None,
     ):
         self.address = address
         self.model = model
         self.timeout = timeout
         self.backoff = backoff
-        self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+        self.channel = aio_channel(address, tls, OPTIONS)
         self.stub = kvstore_pb2_grpc.KvStoreStub(self.channel)
         self._down_until = 0.0
         self.failures = 0

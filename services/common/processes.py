@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -14,11 +15,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.entry import StartupError
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listen_socket(host: str, port: int, what: str) -> socket.socket:
+    """A listening TCP socket on host:port, bound as servers bind (address reuse for
+    TIME_WAIT, never port sharing); a taken port is a StartupError naming it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(f"{what} port {port} on {host} is taken") from None
+        raise StartupError(f"cannot listen on {host}:{port} ({what}): {exc.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raises StartupError when host:port is taken (port 0 is always free)."""
+    if port:
+        listen_socket(host, port, what).close()
 
 
 def nats_server_binary() -> str:
@@ -102,17 +128,26 @@ def start_redis(
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM the process's group, then SIGKILL whatever is left."""
-    if proc.poll() is not None:
-        return
+    stop_processes([proc], timeout)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        proc.send_signal(sig)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM every process's group at once, wait for them together, then SIGKILL
+    whatever is left after `timeout` (so a shutdown takes the slowest, not the sum)."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-        proc.wait(timeout=5)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=5)

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 from basis.flags import not_a_flag, parse_config, setting
 from engine.cli_args import add_engine_args, engine_options
+from services.common.tls import TlsSettings
 
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
 WRITE_THROUGH = ("none", "prefix", "all")
 
 
 @dataclass(slots=True)
-class WorkerSettings:
+class WorkerSettings(TlsSettings):
     model: str = setting(help="model folder (a Hugging Face checkpoint)")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "gRPC port (0: any free port)")
@@ -40,6 +41,25 @@ class WorkerSettings:
         "blocks) or all (also the generated tokens' blocks)",
         choices=WRITE_THROUGH,
     )
+    drain_timeout: float = setting(
+        30.0,
+        "on SIGTERM, seconds the worker, already out of placement, lets its streams finish "
+        "before it ends them (the gateway moves what is left to another worker)",
+    )
+    expert_parallel: bool = setting(
+        False,
+        "MoE models: compute the routed experts on the expert services the scheduler's "
+        "balancer places (attention, dense layers and shared experts stay here)",
+    )
+    expert_fallback: str = setting(
+        "replicas",
+        "when an expert service is lost: replicas (its tokens go to surviving replicas; "
+        "experts without one are computed here) or local (computed here)",
+        choices=("replicas", "local"),
+    )
+    expert_timeout: float = setting(
+        5.0, "seconds an expert all-to-all may take before the step computes its experts here"
+    )
     engine_options: dict = not_a_flag(dict)
 
     def __post_init__(self) -> None:
@@ -50,6 +70,11 @@ class WorkerSettings:
             raise ValueError(f"kv_write_through must be one of {WRITE_THROUGH}")
         if self.load_interval <= 0:
             raise ValueError("load_interval must be > 0")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0")
+        if self.expert_fallback not in ("replicas", "local") or self.expert_timeout <= 0:
+            raise ValueError("expert_fallback must be replicas or local; expert_timeout > 0")
+        TlsSettings.__post_init__(self)
         if not self.worker_id:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 

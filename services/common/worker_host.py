@@ -1,7 +1,9 @@
 """An engine worker's process, shared by the prefill and decode services: the
 engine, a gRPC server (health, reflection, the `Worker` service and the
 stage's own), Prometheus metrics, registration with the scheduler, load
-reports and numbered KV events on NATS, and an orderly stop on SIGTERM/SIGINT.
+reports and numbered KV events on NATS, and a graceful drain on SIGTERM/SIGINT
+(out of placement at once, open streams finished for up to `--drain-timeout`,
+then stopped; a second signal stops at once).
 
     host = WorkerHost(config, "yinian-decode")
     host.serve(add_DecodeServicer_to_server, DecodeServicer(...), "yinian.v1.Decode")
@@ -11,20 +13,20 @@ reports and numbered KV events on NATS, and an orderly stop on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
+import os
 import signal
 from pathlib import Path
 
-import grpc
-
 from engine import AsyncLLM
-from proto.yinian.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from proto.yinian.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.bus import KV_RESYNC_SUBJECT, EventBus, kv_subject, load_subject
 from services.common.grpc_server import GrpcServer
 from services.common.kvstore_client import KvStoreClient, fingerprint
+from services.common.rank_metrics import report_ranks
+from services.common.registration import Registration
 from services.common.shared_kv import SharedKv
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerSettings
@@ -50,12 +52,20 @@ def model_fingerprint(model: str, engine: AsyncLLM):
     )
 
 
+def _exit_now(reason: str) -> None:
+    """The engine is dead for good (a rank of it died): leave now, without a goodbye,
+    so the gateway moves this worker's streams and the scheduler stops placing here."""
+    logger.critical("worker exiting: %s", reason)
+    logging.shutdown()
+    os._exit(70)
+
+
 class WorkerHost:
     def __init__(self, config: WorkerSettings, service_name: str):
         self.config = config
         setup_tracing(service_name)
         self.engine = AsyncLLM.from_model(config.model, **config.engine_options)
-        self.server = GrpcServer(config.host, config.port)
+        self.server = GrpcServer(config.host, config.port, config.tls_files())
         self.address = f"{config.address_host}:{self.server.port}"
         metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
         facts = self.engine.facts
@@ -71,12 +81,19 @@ class WorkerHost:
             transports=config.transports(facts.device.type),
             host=config.address_host,
             device=str(facts.device),
+            kv_layout=facts.kv_block_layout,
+            tensor_parallel_size=facts.tensor_parallel_size,
+            pipeline_parallel_size=facts.pipeline_parallel_size,
         )
+        self.engine.on_fatal(_exit_now)
         self.reports = WorkerReports(self.engine, config.worker_id)
         self.shared: SharedKv | None = None
         self._closers: list = []
         if config.kvstore:
-            client = KvStoreClient(config.kvstore, model_fingerprint(config.model, self.engine))
+            client = KvStoreClient(
+                config.kvstore, model_fingerprint(config.model, self.engine),
+                tls=config.tls_files(),
+            )  # fmt: skip
             self.shared = SharedKv(self.engine, client, config.worker_id, config.kv_write_through)
             self.on_close(client.close)
             self.on_close(self.shared.drain)
@@ -85,6 +102,16 @@ class WorkerHost:
             WorkerServicer(self.info, self.reports),
             "yinian.v1.Worker",
         )
+        self.experts = None
+        if config.expert_parallel:  # MoE experts on expert services
+            from services.common.experts.control import ExpertControl
+
+            self.experts = ExpertControl(
+                self.engine, config.model, config.worker_id, config.scheduler,
+                config.address_host, config.expert_fallback, config.expert_timeout,
+                tls=config.tls_files(),
+            )  # fmt: skip
+            self.on_close(self.experts.close)
 
     @property
     def endpoint(self) -> dict:
@@ -104,27 +131,33 @@ class WorkerHost:
         self._closers.append(close)
 
     async def run(self) -> None:
-        """Serves until SIGTERM or SIGINT, then deregisters and stops."""
+        """Serves until SIGTERM or SIGINT, then drains and stops."""
         config = self.config
         await self.server.start()
         bus = EventBus(config.nats_url, config.worker_id)
         await bus.connect()
-        await self._register()
+        registration = Registration(config.scheduler, self.info, config.tls_files())
+        await registration.register()
+        await registration.listen(bus)
         loops = [
             asyncio.create_task(self._report_load(bus)),
             asyncio.create_task(self._report_kv_events(bus)),
+            asyncio.create_task(report_ranks(self.engine, config.worker_id)),
         ]
+        if self.experts is not None:
+            loops.append(asyncio.create_task(self.experts.run()))
         await self.server.serving(True)
         logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)
         print(f"READY worker {config.worker_id} {self.address}", flush=True)
-        stop = asyncio.Event()
+        signals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        logger.info("worker %s stopping", config.worker_id)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        await signals.get()
         await self.server.serving(False)
-        await self._deregister()
+        await registration.withdraw()
+        await self._drain(signals)
+        await registration.close()
         for task in loops:
             task.cancel()
         for close in reversed(self._closers):
@@ -134,28 +167,22 @@ class WorkerHost:
         self.engine.close()
         shutdown_tracing()
 
-    async def _register(self, timeout: float = 60.0) -> None:
-        """Registers with the scheduler, retrying until it answers."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        async with grpc.aio.insecure_channel(self.config.scheduler) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            while True:
-                try:
-                    await stub.Register(self.info, timeout=2.0)
-                    return
-                except grpc.RpcError as exc:
-                    if asyncio.get_running_loop().time() > deadline:
-                        raise RuntimeError(
-                            f"scheduler {self.config.scheduler} unreachable: {exc.details()}"
-                        ) from exc
-                    await asyncio.sleep(0.3)
-
-    async def _deregister(self) -> None:
-        with contextlib.suppress(grpc.RpcError):
-            async with grpc.aio.insecure_channel(self.config.scheduler) as channel:
-                await scheduler_pb2_grpc.SchedulerStub(channel).Deregister(
-                    scheduler_pb2.DeregisterRequest(worker_id=self.config.worker_id), timeout=1.0
-                )
+    async def _drain(self, signals: asyncio.Queue) -> None:
+        """Lets open streams finish (nothing new is placed here now) for up to
+        `drain_timeout` seconds, or until a second signal."""
+        open_calls = self.server.in_flight
+        logger.info("worker %s draining: %d call(s) open, up to %.0f s",
+                    self.config.worker_id, open_calls.count, self.config.drain_timeout)  # fmt: skip
+        idle = asyncio.create_task(open_calls.wait_idle(self.config.drain_timeout))
+        again = asyncio.create_task(signals.get())
+        await asyncio.wait({idle, again}, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
+        again.cancel()
+        if open_calls.count:
+            logger.warning("worker %s stopping with %d call(s) open; their streams move to "
+                           "other workers", self.config.worker_id, open_calls.count)  # fmt: skip
+        else:
+            logger.info("worker %s drained", self.config.worker_id)
 
     async def _report_load(self, bus: EventBus) -> None:
         labels = {"worker": self.config.worker_id}

@@ -17,7 +17,7 @@ async def run(config: DecodeConfig) -> None:
     host = WorkerHost(config, f"yinian-{config.role}")
     remote = None
     if config.role == "decode":
-        client = PrefillClient()
+        client = PrefillClient(config.tls_files())
         remote = RemotePrefill(
             host.engine,
             client,

@@ -10,11 +10,12 @@ from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
 from services.common.handoff import PrefillResult, result_from_chunk
 from services.common.telemetry import grpc_metadata
+from services.common.tls import TlsFiles
 
 
 class PrefillClient:
-    def __init__(self):
-        self._channels = WorkerChannels()
+    def __init__(self, tls: TlsFiles | None = None):
+        self._channels = WorkerChannels(tls)
         self._info: dict[str, dict] = {}
 
     def _prefill(self, address: str) -> worker_pb2_grpc.PrefillStub:

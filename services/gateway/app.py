@@ -1,5 +1,6 @@
 """Serves the gateway: the FastAPI app on uvicorn and the gRPC API, both ready
-only when the scheduler has a ready worker behind it."""
+only when the scheduler has a ready worker behind it; both on TLS when the
+gateway has a certificate (it then shows it to the scheduler and workers too)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from proto.yinian.v1 import inference_pb2_grpc
 from services.common.grpc_server import GrpcServer
+from services.common.processes import listen_socket
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.gateway.auth import Authenticator, check_listen_address, load_keys
 from services.gateway.clients import SchedulerClient, WorkerPool
@@ -45,14 +47,16 @@ async def run(config: GatewayConfig) -> None:
     setup_tracing("yinian-gateway")
     auth = Authenticator(load_keys(config.api_keys))
     check_listen_address(config.host, auth, config.allow_unauthenticated)
-    scheduler = SchedulerClient(config.scheduler)
-    workers = WorkerPool()
+    tls = config.tls_files()
+    scheduler = SchedulerClient(config.scheduler, tls=tls)
+    workers = WorkerPool(tls)
     core = GatewayCore(
         config.served_model_name,
         config.model,
         None,
         config.max_model_len,
         config.public_prefixes,
+        config.tool_call_parser,
     )
     core.frontend = Frontend(
         core.tokenizer,
@@ -65,7 +69,10 @@ async def run(config: GatewayConfig) -> None:
     )
     health = HealthProbe(scheduler)
     app = create_app(core, auth, health)
-    grpc_server = GrpcServer(config.host, config.grpc_port)
+    grpc_server = GrpcServer(
+        config.host, config.grpc_port, tls, require_client_cert=False, what="gRPC (Inference)"
+    )
+    rest_socket = listen_socket(config.host, config.port, "REST")
     grpc_server.add(
         inference_pb2_grpc.add_InferenceServicer_to_server,
         InferenceServicer(core, auth),
@@ -81,16 +88,19 @@ async def run(config: GatewayConfig) -> None:
         loop="none",
         lifespan="off",
         timeout_graceful_shutdown=2,
+        **(tls.uvicorn_options() if tls else {}),
     )
     server = uvicorn.Server(uv_config)
     server.install_signal_handlers = lambda: None  # we handle signals below
-    serve_task = asyncio.create_task(server.serve())
+    serve_task = asyncio.create_task(server.serve(sockets=[rest_socket]))
     while not server.started:
         if serve_task.done():
             serve_task.result()
         await asyncio.sleep(0.02)
+    scheme = "https" if tls else "http"
     print(
-        f"READY gateway http://{config.host}:{config.port} grpc {config.host}:{grpc_server.port}",
+        f"READY gateway {scheme}://{config.host}:{config.port} grpc {config.host}:"
+        f"{grpc_server.port}",
         flush=True,
     )
     stop = asyncio.Event()

@@ -10,13 +10,14 @@ import grpc
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.channels import OPTIONS as _OPTIONS
 from services.common.channels import WorkerChannels
-from services.common.errors import DeadlineExceeded, from_grpc_error
+from services.common.errors import DeadlineExceeded, WorkerUnavailable, from_grpc_error
 from services.common.telemetry import grpc_metadata
+from services.common.tls import TlsFiles, aio_channel
 
 
 class SchedulerClient:
-    def __init__(self, address: str, timeout: float = 5.0):
-        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+    def __init__(self, address: str, timeout: float = 5.0, tls: TlsFiles | None = None):
+        self.channel = aio_channel(address, tls, _OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.timeout = timeout
 
@@ -39,8 +40,13 @@ class SchedulerClient:
                 ),
                 timeout=self.timeout,
                 metadata=grpc_metadata(),
+                # A scheduler that is restarting is waited for (up to the timeout)
+                # rather than answered with 503 at once.
+                wait_for_ready=True,
             )
         except grpc.RpcError as exc:
+            if self.channel.get_state() != grpc.ChannelConnectivity.READY:
+                raise WorkerUnavailable(f"scheduler unreachable: {exc.details()}") from exc
             raise from_grpc_error(exc) from exc
 
     async def ready_workers(self) -> int:

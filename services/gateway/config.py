@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from basis.flags import parse_config, setting
+from services.common.tls import TlsSettings
 
 
 @dataclass(slots=True)
-class GatewayConfig:
+class GatewayConfig(TlsSettings):
     model: str = setting(help="model folder: its tokenizer, chat template and config.json")
     served_model_name: str = setting("", "the model's name in the API (default: the folder's)")
     host: str = setting("127.0.0.1", "address to listen on")
@@ -39,6 +40,11 @@ class GatewayConfig:
     max_migrations: int = setting(
         2, "times a stream may move to another worker when its worker dies"
     )
+    tool_call_parser: str = setting(
+        "",
+        "how the model writes tool calls (default: read from its chat template)",
+        choices=("", "hermes", "llama3_json"),
+    )
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -50,6 +56,7 @@ class GatewayConfig:
         for name in ("request_timeout", "idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        TlsSettings.__post_init__(self)
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:

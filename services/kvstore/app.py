@@ -147,7 +147,7 @@ async def run(config: KvStoreConfig) -> None:
     index = GlobalIndex(config.worker_timeout)
     tier = build_tier(config, ledger, events)
     store = KvStore(tier, index, ledger, config.max_block_bytes)
-    server = GrpcServer(config.host, config.port)
+    server = GrpcServer(config.host, config.port, config.tls_files())
     servicer = KvStoreServicer(store)
     server.add(kvstore_pb2_grpc.add_KvStoreServicer_to_server, servicer, ["yinian.v1.KvStore"])
     await server.start()

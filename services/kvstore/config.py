@@ -6,12 +6,13 @@ import os
 from dataclasses import dataclass
 
 from basis.flags import parse_config, setting
+from services.common.tls import TlsSettings
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(slots=True)
-class KvStoreConfig:
+class KvStoreConfig(TlsSettings):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50053, "gRPC port", env="YINIAN_KVSTORE_PORT")
     redis_url: str = setting(
@@ -74,6 +75,7 @@ class KvStoreConfig:
             raise ValueError("max_block_bytes must be > 0")
         if self.worker_timeout <= 0:
             raise ValueError("worker_timeout must be > 0")
+        TlsSettings.__post_init__(self)
 
 
 def parse(argv: list[str] | None = None) -> KvStoreConfig:

@@ -1,6 +1,7 @@
 """The scheduler's process: the gRPC server (registration, placement), the
 NATS subscriptions that keep the registry and the KV index current, and the
-loop that drops workers whose heartbeats stopped."""
+loop that drops workers whose heartbeats stopped. It keeps no state on disk: a
+restarted scheduler asks every worker it hears from to register again."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
+
+from google.protobuf import empty_pb2
 
 from proto.yinian.v1 import common_pb2, scheduler_pb2_grpc
 from services.common import metrics
@@ -17,11 +21,13 @@ from services.common.bus import (
     EventBus,
     kv_subject,
     load_subject,
+    register_subject,
 )
 from services.common.grpc_server import GrpcServer
 from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.expert_plane import ExpertPlane
 from services.scheduler.placement import PlacementPolicy
 from services.scheduler.registry import Registry
 from services.scheduler.servicer import SchedulerServicer
@@ -32,18 +38,27 @@ ROLES = ("colocated", "prefill", "decode")
 
 class EventHandlers:
     """What the scheduler does with the NATS events: load reports (heartbeats),
-    workers' KV events and the shared tier's (a gap asks that worker to resync)."""
+    workers' KV events and the shared tier's (a gap asks that worker to resync; a
+    report from a worker not registered asks it to register again)."""
+
+    ASK_INTERVAL = 1.0  # seconds between two requests to register again, per worker
 
     def __init__(self, registry: Registry, index: KvIndex, bus: EventBus):
         self.registry, self.index, self.bus = registry, index, bus
+        self._asked: dict[str, float] = {}
 
-    def on_load(self, report: common_pb2.LoadReport, headers) -> None:
-        self.registry.on_load(
+    async def on_load(self, report: common_pb2.LoadReport, headers) -> None:
+        known = self.registry.on_load(
             report.worker_id,
             report.num_requests_running,
             report.num_requests_waiting,
             report.kv_cache_usage,
         )
+        now = time.monotonic()
+        if not known and now - self._asked.get(report.worker_id, -1e9) >= self.ASK_INTERVAL:
+            # A draining worker ignores this; any other rejoins placement.
+            self._asked[report.worker_id] = now
+            await self.bus.publish(register_subject(report.worker_id), empty_pb2.Empty())
 
     async def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
         if events.worker_id not in self.registry.workers:
@@ -84,10 +99,12 @@ async def run(config: SchedulerConfig) -> None:
         ),
         heartbeat_interval=config.heartbeat_timeout / 4,
     )
-    server = GrpcServer(config.host, config.port)
+    server = GrpcServer(config.host, config.port, config.tls_files())
     server.add(
         scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, ["yinian.v1.Scheduler"]
     )
+    experts = ExpertPlane(config, config.tls_files())
+    experts.add_to(server)
     await server.start()
     metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, "scheduler")
@@ -96,6 +113,7 @@ async def run(config: SchedulerConfig) -> None:
     await bus.subscribe(load_subject(), common_pb2.LoadReport, handlers.on_load)
     await bus.subscribe(kv_subject(), common_pb2.KvEvents, handlers.on_kv)
     await bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, handlers.on_shared)
+    await experts.subscribe(bus)
     await server.serving(True)
     print(f"READY scheduler {config.host}:{server.port}", flush=True)
 
@@ -104,6 +122,11 @@ async def run(config: SchedulerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():
+        if not bus.connected:
+            # No heartbeat can arrive while NATS is away: that is no sign of a
+            # dead worker, so none is dropped for it (the gateway re-places a
+            # request whose worker did die).
+            registry.touch_all()
         for gone in registry.expire():
             index.forget(gone.worker_id)
             logger.warning(
@@ -111,9 +134,11 @@ async def run(config: SchedulerConfig) -> None:
             )
         for role in ROLES:
             metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))
+        await experts.tick(bus.connected)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.25)
     await server.serving(False)
     await server.stop(grace=1.0)
+    await experts.close()
     await bus.close()
     shutdown_tracing()

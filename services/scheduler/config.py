@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from basis.flags import parse_config, setting
+from services.common.tls import TlsSettings
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
+class SchedulerConfig(TlsSettings):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50052, "gRPC port", env="YINIAN_SCHEDULER_PORT")
     nats_url: str = setting("nats://127.0.0.1:4222", "NATS for load reports and KV events")
@@ -33,6 +34,19 @@ class SchedulerConfig:
     shared_hit_weight: float = setting(
         0.3, "cost of a prompt token found in the shared tier, as a fraction of computing it"
     )
+    # The expert balancer (services/scheduler/expert_*.py).
+    expert_redundant_slots: int = setting(
+        0, "expert slots per MoE layer beyond one per expert, for EPLB's replicas of hot experts"
+    )
+    eplb_interval: float = setting(
+        0.0, "seconds between EPLB rebalances while serving (0: only on a Rebalance call)"
+    )
+    eplb_window: float = setting(
+        10.0, "expert services count load in the last this many seconds before a rebalance"
+    )
+    eplb_groups: int = setting(
+        1, "expert groups for hierarchical EPLB (it is used when they divide over the hosts)"
+    )
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= 0:
@@ -44,6 +58,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.disagg_min_tokens < 0:
             raise ValueError("disagg_min_tokens must be >= 0")
+        if self.expert_redundant_slots < 0 or self.eplb_interval < 0 or self.eplb_window <= 0:
+            raise ValueError(
+                "need expert_redundant_slots >= 0, eplb_interval >= 0, eplb_window > 0"
+            )
+        if self.eplb_groups < 1:
+            raise ValueError("eplb_groups must be >= 1")
+        TlsSettings.__post_init__(self)
 
 
 def parse(argv: list[str] | None = None) -> SchedulerConfig:

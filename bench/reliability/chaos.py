@@ -1,0 +1,187 @@
+"""The chaos drill: under concurrent streams, kill -9 each service of a CPU mesh
+in turn, with `yinian up`'s supervisor restarting it, and record what clients saw.
+
+The mesh: tiny-llama on the CPU; one colocated worker, one prefill and two decode
+workers (every decode request prefilled remotely), the scheduler, two gateways,
+NATS, Redis and the KV store. A clean round first gives each prompt's text; then
+one round per service. Per service: streams hung (goal 0), corrupted (goal 0:
+every completed stream equals the clean run), failed (goal <= 1%), and seconds
+from the kill until new requests succeed again (goal < 10). Streams through a
+killed gateway end with its connections; they are counted apart, as lost with
+it (a client retries them on the other gateway, which the probe shows serving).
+
+Usage: python -m bench.reliability.chaos [--streams 50] [--max-tokens 1000]
+           [--targets worker-0 scheduler ...] [--out bench/results/chaos.json]
+Writes the JSON and, beside it, the table (chaos.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.reliability.rounds import Fault, Load, RoundResult, run_round
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import list_workers
+from yinian.supervisor import Supervisor
+
+TARGETS = ("worker-0", "prefill-0", "decode-0", "scheduler", "gateway-1", "nats", "redis",
+           "kvstore")  # fmt: skip
+GOALS = {"hung": 0, "corrupted": 0, "failed_fraction": 0.01, "recovery_s": 10.0}
+# Prefills happen as the streams start: the prefill worker is killed then.
+KILL_AFTER_S = {"prefill-0": 0.3}
+
+
+def tiny_model(folder: Path) -> Path:
+    from engine.make_model import preset_config, write_model
+
+    if not (folder / "config.json").is_file():
+        write_model(folder, preset_config("tiny-llama"), seed=1)
+    return folder
+
+
+def chaos_spec(model: Path, **overrides) -> MeshSpec:
+    values = dict(model=str(model), workers=1, prefill=1, decode=2, gateways=2, kvstore=True,
+                  port=free_port(), engine_argv=["--device", "cpu"],
+                  scheduler_argv=["--disagg-min-tokens", "1"])  # fmt: skip
+    values.update(overrides)
+    return MeshSpec(**values)
+
+
+def prompts(count: int, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(500) for _ in range(rng.randrange(20, 200))] for _ in range(count)]
+
+
+def wait_settled(mesh: Mesh, name: str, workers: int, timeout: float = 90.0) -> None:
+    """Until `name` runs again, is ready, and the scheduler lists every worker as
+    ready (so each round starts from a whole mesh)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        child = mesh.child(name)
+        if child.proc.poll() is None and child.ready.is_set():
+            try:
+                if sum(w.ready for w in list_workers(mesh)) == workers:
+                    return
+            except Exception:  # noqa: BLE001 - the scheduler itself may be starting
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} or a worker not back {timeout:.0f} s after the kill")
+
+
+def row(result: RoundResult, back_s: float | None) -> dict:
+    entry = result.summary()
+    entry["failed_fraction"] = len(result.failed) / max(1, result.streams)
+    entry["back_s"] = back_s
+    entry["goals_met"] = (
+        len(result.hung) <= GOALS["hung"]
+        and len(result.corrupted) <= GOALS["corrupted"]
+        and entry["failed_fraction"] <= GOALS["failed_fraction"]
+        and result.recovery_s is not None
+        and result.recovery_s < GOALS["recovery_s"]
+    )
+    return entry
+
+
+def drill(
+    mesh: Mesh, targets, load: Load, say=print, kill_at: float = 0.3, min_probe_s: float = 10.0
+) -> dict:
+    """A clean round, then one kill -9 per target under the same load, `kill_at` of
+    the clean round's duration after the streams were sent."""
+    stop = threading.Event()
+    supervisor = Supervisor(mesh, say=lambda line: say(f"  supervisor: {line}"))
+    watcher = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+    watcher.start()
+    workers = mesh.spec.workers + mesh.spec.prefill + mesh.spec.decode
+    try:
+        clean = asyncio.run(run_round(load, Fault("clean", None)))
+        say(f"clean: {len(clean.failed)} failed, {len(clean.hung)} hung, {clean.seconds:.1f} s")
+        out = {"clean": clean.summary(), "rounds": {}}
+        if clean.failed or clean.hung:
+            raise RuntimeError(f"the clean round failed: {clean.summary()}")
+        for name in targets:
+            killed_at = []
+
+            def inject(name=name, killed_at=killed_at) -> None:
+                killed_at.append(time.monotonic())
+                mesh.kill(name)
+
+            gateway = _gateway_index(name)
+            fault = Fault(name, inject, KILL_AFTER_S.get(name, kill_at * clean.seconds),
+                          probe_url=mesh.urls[gateway] if gateway is not None else "",
+                          lost_with=gateway)  # fmt: skip
+            result = asyncio.run(run_round(load, fault, clean.texts, min_probe_s=min_probe_s))
+            wait_settled(mesh, name, workers)
+            time.sleep(0.5)  # the supervisor's next look notes when it came back
+            back_at = supervisor.back_at(name)
+            out["rounds"][name] = row(result, back_at - killed_at[0] if back_at else None)
+            say(format_row(name, out["rounds"][name]))
+        return out
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+
+
+def _gateway_index(name: str) -> int | None:
+    if name == "gateway":
+        return 0
+    if name.startswith("gateway-"):
+        return int(name.split("-")[1])
+    return None
+
+
+HEADER = (
+    "| service killed | streams open at kill | completed = clean | corrupted | failed "
+    "| lost with gateway | hung | new requests OK after (s) | back (s) | goals |"
+)
+
+
+def format_row(name: str, r: dict) -> str:
+    recovery = "never" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
+    back = "?" if r["back_s"] is None else f"{r['back_s']:.1f}"
+    return (f"| {name} | {r['open_at_fault']} | {r['completed']}/{r['streams']} "
+            f"| {len(r['corrupted'])} | {len(r['failed'])} ({100 * r['failed_fraction']:.1f}%) "
+            f"| {len(r['lost_with_gateway'])} | {len(r['hung'])} | {recovery} | {back} "
+            f"| {'met' if r['goals_met'] else 'MISSED'} |")  # fmt: skip
+
+
+def table(results: dict) -> str:
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    lines += [format_row(name, r) for name, r in results["rounds"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=50, help="concurrent streams per round")
+    parser.add_argument("--max-tokens", type=int, default=1000, help="tokens per stream")
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS), help="services to kill")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
+    parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        model = tiny_model(Path(tmp) / "tiny-llama")
+        mesh = Mesh(chaos_spec(model, log_dir=args.logs or Path(tmp) / "logs"))
+        with mesh:
+            load = Load(mesh.urls, "tiny-llama", prompts(args.streams), args.max_tokens)
+            results = drill(mesh, args.targets, load)
+    results["setup"] = {"streams": args.streams, "max_tokens": args.max_tokens,
+                        "mesh": "tiny-llama on CPU: 1 colocated, 1 prefill, 2 decode workers, "
+                                "scheduler, 2 gateways, NATS, Redis, KV store",
+                        "goals": GOALS}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    args.out.with_suffix(".md").write_text(table(results))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

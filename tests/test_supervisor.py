@@ -1,0 +1,139 @@
+"""`yinian up` keeps the mesh running: a killed service is started again and
+rejoins; only Ctrl-C/SIGTERM, or a service that keeps failing, ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from bench.loadgen.client import RequestInput, send_request
+from services.common.processes import free_port
+from yinian.children import launch
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import scrape
+from yinian.supervisor import GaveUp, Supervisor
+
+
+class UpProcess:
+    """`yinian up` in a child process, its output collected line by line."""
+
+    def __init__(self, *argv: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "yinian", "up", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            assert self.proc.poll() is None, f"yinian up exited:\n{self.output}"
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.output}"
+            time.sleep(0.1)
+
+    def children(self) -> dict[str, int]:
+        """The services it runs: worker id (or module name) -> pid."""
+        out = {}
+        pids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                              text=True).stdout.split()  # fmt: skip
+        for pid in pids:
+            try:
+                argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            except OSError:
+                continue
+            name = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else argv[2]
+            out[name] = int(pid)
+        return out
+
+
+def stream(url: str, prompt: str, max_tokens: int):
+    async def one():
+        async with httpx.AsyncClient(timeout=120) as client:
+            request = RequestInput(f"{url}/v1/completions", "tiny-llama", prompt, 0, max_tokens)
+            return await send_request(client, request)
+
+    return asyncio.run(one())
+
+
+def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir):
+    # The user's report: under `yinian up --prefill 1 --decode 2`, decode-0 killed with
+    # SIGKILL while 16 streams ran; the streams finished, then `yinian up` stopped the
+    # whole mesh and the next request got "connection refused".
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    up = UpProcess("--model", str(model_dir("tiny-llama")), "--prefill", "1", "--decode", "2",
+                   "--port", str(port), "--grpc-port", str(free_port()), "--no-kvstore",
+                   "--device", "cpu")  # fmt: skip
+    try:
+        up.wait_for("yinian is ready", timeout=90)
+        decode_0 = up.children()["decode-0"]
+        with ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(stream, url, f"story {i}", 600) for i in range(16)]
+            time.sleep(1.5)
+            subprocess.run(["kill", "-9", str(decode_0)], check=True)
+            results = [s.result(timeout=150) for s in streams]
+        assert [r.error for r in results if not r.success] == []
+        assert all(r.output_tokens == 600 for r in results)
+        assert scrape(f"{url}/metrics", "yinian:request_migrations_total") >= 1  # mid-stream
+        up.wait_for("decode-0 is back", timeout=60)
+        assert "decode-0 was killed by SIGKILL; restarting it" in up.output
+        assert up.children()["decode-0"] != decode_0
+        for i in range(6):  # the restarted worker is placed on again, among the others
+            after = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "model": "tiny-llama", "prompt": f"after {i}", "max_tokens": 4})  # fmt: skip
+            assert after.status_code == 200, after.text
+        assert httpx.get(f"{url}/health/ready", timeout=5).status_code == 200
+        assert up.proc.poll() is None
+        services = list(up.children().values())
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0
+        time.sleep(0.5)
+        assert [p for p in services if _alive(p)] == [], "a service outlived yinian up"
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
+
+
+def test_a_service_that_keeps_failing_stops_supervision_with_the_reason(tmp_path):
+    mesh = Mesh(MeshSpec(model="unused", log_dir=tmp_path))
+    crash = "print('READY flaky', flush=True); import time; time.sleep(0.2); raise SystemExit(3)"
+    mesh.children.append(launch("flaky", [sys.executable, "-c", crash], {}, tmp_path / "flaky.log"))
+    said: list[str] = []
+    supervisor = Supervisor(mesh, max_restarts=3, window=60, backoff=0.1, say=said.append)
+    try:
+        with pytest.raises(GaveUp) as gave_up:
+            supervisor.run(threading.Event(), interval=0.05)
+    finally:
+        mesh.stop()
+    message = str(gave_up.value)
+    assert "flaky exited with 3" in message and "4 times within 60 s" in message
+    assert str(tmp_path / "flaky.log") in message
+    assert said.count("flaky is back (restart 1)") == 1
+    assert sum("restarting it in" in line for line in said) == 3
+    # The back-off doubles with each recent exit.
+    assert [line.split(" in ")[-1] for line in said if "restarting" in line] == [
+        "0.1 s", "0.2 s", "0.4 s"]  # fmt: skip
