@@ -47,7 +47,15 @@ EXPECTED = {
         "kill_tiny": CUDA_ONLY,
     },
     "serving": {"ceilings": "ok", "serve": "ok", "offline": "ok", "peer": "ok"},
+    "parallel": {
+        "ceilings": "ok",
+        "equality": "ok",
+        "pp_overlap": "ok",
+        "tp_scaling": CUDA_ONLY,
+        "pp_throughput": CUDA_ONLY,
+    },
     "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "workload": "ok"},
+    "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",
         "decode_kernel": "ok",

@@ -24,6 +24,8 @@ SCRIPTS = (
     "serving",
     "mla",
     "kvstore",
+    "experts",
+    "parallel",
 )
 
 
