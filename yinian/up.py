@@ -22,7 +22,7 @@ from yinian.supervisor import GaveUp, Supervisor
 
 def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="run the whole mesh on this machine")
-    p.add_argument("--model", help="model folder (default: a tiny model made on first use)")
+    p.add_argument("--model", help="model folder (default: the bundled pydoc-llama)")
     p.add_argument(
         "--workers",
         type=int,
@@ -90,6 +90,17 @@ def add_up_parser(sub) -> None:
         help="expert slots per MoE layer on each expert service (default: its own)",
     )
     p.add_argument(
+        "--expert-redundant-slots",
+        type=int,
+        default=0,
+        help="expert slots per MoE layer beyond one per expert, for EPLB's replicas of hot experts",
+    )
+    p.add_argument(
+        "--public-prefixes",
+        help="JSON file of prefixes every tenant shares in the KV cache (system prompts): "
+        "texts, {messages} or {token_ids}",
+    )
+    p.add_argument(
         "--tls",
         action="store_true",
         help="TLS everywhere with a throwaway CA made in the log folder: HTTPS and TLS gRPC "
@@ -138,6 +149,8 @@ def run_up(args) -> int:
         gateway_argv += ["--api-keys", args.api_keys]
     if args.allow_unauthenticated:
         gateway_argv.append("--allow-unauthenticated")
+    if args.public_prefixes:
+        gateway_argv += ["--public-prefixes", args.public_prefixes]
     spec = MeshSpec(
         model=model,
         workers=workers,
@@ -149,6 +162,7 @@ def run_up(args) -> int:
         nats_url=args.nats_url,
         engine_argv=engine_argv(engine_options(args)),
         gateway_argv=gateway_argv,
+        scheduler_argv=["--expert-redundant-slots", str(args.expert_redundant_slots)],
         gpus=[g.strip() for g in args.gpus.split(",") if g.strip()],
         kvstore=args.kvstore,
         redis_url=args.redis_url,
@@ -210,6 +224,6 @@ yinian is ready.
   model:          {name}
 
   curl {curl_tls}{mesh.url}/v1/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'
+       -d '{{"model": "{name}", "prompt": "Strings are", "max_tokens": 32}}'
 
 A service that exits is started again. Ctrl-C stops everything."""
