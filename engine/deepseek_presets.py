@@ -27,6 +27,20 @@ _TINY = {  # MLA and MoE at a few MB; odd-sized latent (32 + 8) on purpose
     "torch_dtype": "float32",
 }
 
+
+def _tiny_yarn(mscale: float, mscale_all_dim: float) -> dict:
+    """The tiny presets' YaRN scaling: 16 x 256 = their max_position_embeddings."""
+    return {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": mscale,
+        "mscale_all_dim": mscale_all_dim,
+    }
+
+
 DEEPSEEK_PRESETS: dict[str, dict] = {
     "tiny-deepseek-v2": {  # V2-Lite's shape of things: no q LoRA, greedy softmax routing
         **_TINY,
@@ -38,15 +52,7 @@ DEEPSEEK_PRESETS: dict[str, dict] = {
         "scoring_func": "softmax",
         "norm_topk_prob": False,
         "routed_scaling_factor": 1.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 16,  # x 256 = max_position_embeddings
-            "original_max_position_embeddings": 256,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
+        "rope_scaling": _tiny_yarn(mscale=0.707, mscale_all_dim=0.707),
     },
     "tiny-deepseek-v3": {  # V3's: q LoRA, noaux_tc over 4 groups, interleaved rotary
         **_TINY,
@@ -63,15 +69,7 @@ DEEPSEEK_PRESETS: dict[str, dict] = {
         "rope_interleave": True,
         "num_nextn_predict_layers": 1,
         # mscale != mscale_all_dim gives the rotary table an attention factor (1.057) too.
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 16,  # x 256 = max_position_embeddings
-            "original_max_position_embeddings": 256,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.8,
-        },
+        "rope_scaling": _tiny_yarn(mscale=1.0, mscale_all_dim=0.8),
     },
     "deepseek-v2-lite": {  # the published config (deepseek-ai/DeepSeek-V2-Lite)
         "architectures": ["DeepseekV2ForCausalLM"],

@@ -175,6 +175,30 @@ def choose_num_splits(
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's per-split outputs [B, H, S, D] and log2-sum-exps [B, H, S] (float32) for
+    out [B, H, D]; unsplit, stage 1 writes `out` itself and these are unused."""
+    if num_splits == 1:
+        return out, out
+    batch, heads, dim = out.shape
+    part_out = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse
+
+
+def reduce_splits(part_out, part_lse, seq_lens, out, num_splits: int, block_n: int, block_d: int):
+    """Stage 2: each (sequence, head)'s splits merged into out [B, H, D] (nothing unsplit)."""
+    if num_splits == 1:
+        return
+    batch, heads, dim = out.shape
+    _decode_reduce_kernel[(batch, heads)](
+        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1),
+        NUM_Q_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=4 if block_d * num_splits >= 2048 else 1,
+    )  # fmt: skip
+
+
 def split_kv_decode(
     q, cache, block_tables, seq_lens, scale, max_seq_len, out,
     *, block_n, num_warps, num_stages, programs_per_sm, num_splits=None,
@@ -191,13 +215,7 @@ def split_kv_decode(
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, block_n, programs_per_sm, sms)
     group = q_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    if num_splits > 1:
-        part_out = torch.empty(
-            batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = split_partials(out, num_splits)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
@@ -209,13 +227,7 @@ def split_kv_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, q_heads)](
-            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4 if block_d * num_splits >= 2048 else 1,
-        )  # fmt: skip
+    reduce_splits(part_out, part_lse, seq_lens, out, num_splits, block_n, block_d)
     return out
 
 

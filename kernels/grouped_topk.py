@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_routing import MAX_EXPERTS
+from kernels.moe_routing import ROWWISE_CONFIGS, check_router_layout, routing_outputs
 from kernels.selection import Selector, next_power_of_2
 
 
@@ -93,8 +93,7 @@ def _grouped_topk_kernel(
 def _launch(logits, top_k, num_groups, topk_group, renormalize, scaling, scoring, bias, *,
             block_t: int, num_warps: int):  # fmt: skip
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights, ids = routing_outputs(logits, top_k)
     if tokens == 0:
         return weights, ids
     block_t = min(block_t, next_power_of_2(tokens))
@@ -110,18 +109,10 @@ def _launch(logits, top_k, num_groups, topk_group, renormalize, scaling, scoring
     return weights, ids
 
 
-_CONFIGS = [
-    {"block_t": 4, "num_warps": 4},
-    {"block_t": 1, "num_warps": 1},
-    {"block_t": 2, "num_warps": 2},
-    {"block_t": 8, "num_warps": 4},
-    {"block_t": 16, "num_warps": 8},
-]
-
 _selector = Selector(
     "grouped_topk",
     {"rowwise": _launch},
-    {"rowwise": _CONFIGS},
+    {"rowwise": ROWWISE_CONFIGS},
     lambda logits, top_k, groups, kept, renormalize, scaling, scoring, bias: (
         min(next_power_of_2(logits.shape[0]), 1 << 16),
         logits.shape[1],
@@ -149,11 +140,7 @@ def grouped_topk(
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(f"router_logits must be float [T, E], got {router_logits.dtype} "
                          f"{tuple(router_logits.shape)}")  # fmt: skip
-    if router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits needs unit last stride, got {router_logits.stride()}")
-    experts = router_logits.shape[1]
-    if not 1 <= experts <= MAX_EXPERTS:
-        raise ValueError(f"number of experts must be in [1, {MAX_EXPERTS}], got {experts}")
+    experts = check_router_layout(router_logits)
     if not isinstance(num_groups, int) or num_groups < 1 or experts % num_groups:
         raise ValueError(f"num_groups must be a positive int dividing {experts}, got "
                          f"{num_groups!r}")  # fmt: skip

@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from kernels.attention_checks import SUPPORTED_DTYPES, check_device, check_index, dot_precision
-from kernels.decode_attention import LOG2E, _decode_reduce_kernel, _sm_count, choose_num_splits
+from kernels.decode_attention import (
+    LOG2E,
+    _sm_count,
+    choose_num_splits,
+    reduce_splits,
+    split_partials,
+)
 from kernels.selection import Selector, next_power_of_2
 
 
@@ -125,13 +131,7 @@ def split_kv_mla_decode(
         num_splits = choose_num_splits(batch, head_blocks, max_seq_len, block_n, programs_per_sm,
                                        _sm_count(q_latent.device))  # fmt: skip
     block_c = max(16, triton.next_power_of_2(latent_dim))  # tl.dot needs K >= 16
-    if num_splits > 1:
-        part_out = torch.empty(batch, heads, num_splits, latent_dim, dtype=torch.float32,
-                               device=q_latent.device)  # fmt: skip
-        part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32,
-                               device=q_latent.device)  # fmt: skip
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = split_partials(out, num_splits)
     _mla_decode_split_kernel[(head_blocks, num_splits, batch)](
         q_latent, q_pe, cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
@@ -143,13 +143,7 @@ def split_kv_mla_decode(
         DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, heads)](
-            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=heads, HEAD_DIM=latent_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_c,
-            num_warps=4 if block_c * num_splits >= 2048 else 1,
-        )  # fmt: skip
+    reduce_splits(part_out, part_lse, seq_lens, out, num_splits, block_n, block_c)
     return out
 
 

@@ -58,10 +58,16 @@ def _route_kernel(
     tl.store(ids_ptr + out, top_i.to(ids_ptr.dtype.element_ty), mask=mask)
 
 
+def routing_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (weights float32 [T, k], expert ids int64 [T, k]) for a routing kernel to fill."""
+    tokens = logits.shape[0]
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    return weights, torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+
+
 def _route_launch(logits, top_k, renormalize, *, block_t: int, num_warps: int):
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights, ids = routing_outputs(logits, top_k)
     if tokens == 0:
         return weights, ids
     block_t = min(block_t, next_power_of_2(tokens))
@@ -74,7 +80,9 @@ def _route_launch(logits, top_k, renormalize, *, block_t: int, num_warps: int):
     return weights, ids
 
 
-_ROUTE_CONFIGS = [
+# Token rows per program: the routing kernels (this one, grouped_topk) hold every expert of a
+# row in registers.
+ROWWISE_CONFIGS = [
     {"block_t": 4, "num_warps": 4},
     {"block_t": 1, "num_warps": 1},
     {"block_t": 2, "num_warps": 2},
@@ -85,7 +93,7 @@ _ROUTE_CONFIGS = [
 _route_selector = Selector(
     "moe_route",
     {"rowwise": _route_launch},
-    {"rowwise": _ROUTE_CONFIGS},
+    {"rowwise": ROWWISE_CONFIGS},
     lambda logits, top_k, renormalize: (
         min(next_power_of_2(logits.shape[0]), 1 << 16),
         logits.shape[1],
@@ -93,6 +101,16 @@ _route_selector = Selector(
         str(logits.dtype),
     ),  # fmt: skip
 )
+
+
+def check_router_layout(router_logits: torch.Tensor) -> int:
+    """Router logits [T, E] with a unit last stride and 1..MAX_EXPERTS experts: E."""
+    if router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits needs unit last stride, got {router_logits.stride()}")
+    experts = router_logits.shape[1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"number of experts must be in [1, {MAX_EXPERTS}], got {experts}")
+    return experts
 
 
 def moe_route(
@@ -106,11 +124,7 @@ def moe_route(
     if router_logits.dim() != 2 or router_logits.dtype not in FLOAT_DTYPES:
         raise ValueError(f"router_logits must be [T, E] in {FLOAT_DTYPES}, got "
                          f"{router_logits.dtype} {tuple(router_logits.shape)}")  # fmt: skip
-    if router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits needs unit last stride, got {router_logits.stride()}")
-    experts = router_logits.shape[1]
-    if not 1 <= experts <= MAX_EXPERTS:
-        raise ValueError(f"number of experts must be in [1, {MAX_EXPERTS}], got {experts}")
+    experts = check_router_layout(router_logits)
     if not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be an int in [1, {experts}], got {top_k!r}")
     return _route_selector(router_logits, top_k, bool(renormalize))

@@ -56,6 +56,12 @@ class Harness:
     async def close(self) -> None:
         await self.tier.guard.close()
 
+    async def __aenter__(self) -> Harness:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
 
 def harness(
     url: str,

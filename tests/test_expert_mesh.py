@@ -10,10 +10,9 @@ import time
 
 import pytest
 from expert_cluster import balancer
-from test_hf_parity import random_prompts
+from test_hf_parity import greedy_texts, random_prompts
 
-from bench.gpu.pd_kill import stream_completion
-from engine import LLM, SamplingParams
+from bench.gpu.pd_kill import start_streams, stream_completion
 from proto.yinian.v1 import expert_pb2
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
@@ -31,9 +30,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(model_dir, prompts):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return [o.outputs[0].text for o in LLM(model_dir("tiny-moe"), device="cpu").generate(
-        prompts, params)]  # fmt: skip
+    return greedy_texts(model_dir("tiny-moe"), prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +83,7 @@ def run_streams(mesh, prompts, action, wait_started: int = 8) -> list[dict]:
         results[i] = stream_completion(mesh.url, "tiny-moe", prompts[i], MAX_TOKENS,
                                        started=started[i], timeout=120)  # fmt: skip
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while sum(e.is_set() for e in started) < wait_started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    threads = start_streams(one, started, wait_started)
     action(results)
     for t in threads:
         t.join(timeout=150)

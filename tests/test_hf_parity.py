@@ -22,6 +22,18 @@ def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def greedy_texts(folder, prompts, max_tokens: int) -> list[str]:
+    """What a plain engine on the CPU answers to each prompt, greedy and past EOS: what a
+    mesh's streams of the same prompts must equal."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].text for o in LLM(folder, device="cpu").generate(prompts, params)]
+
+
+def hf_and_llm(folder) -> tuple:
+    """transformers' model and the engine (float32, CPU) of one model folder."""
+    return hf_model(folder), LLM(folder, dtype="float32", device="cpu")
+
+
 def engine_logits(engine: LLMEngine, prompt: list[int], steps: int) -> list[torch.Tensor]:
     """Runs the engine's model on the prompt, then `steps` greedy decodes, through the
     paged cache; returns the logits of every row of each forward pass."""
@@ -60,8 +72,7 @@ def test_logits_match_transformers(name, model_dir):
 @pytest.mark.parametrize("name", ALL_MODELS)
 def test_greedy_batch_equals_transformers_alone(name, model_dir):
     folder = model_dir(name)
-    hf = hf_model(folder)
-    llm = LLM(folder, dtype="float32", device="cpu")
+    hf, llm = hf_and_llm(folder)
     prompts = random_prompts(llm.engine.model_config.vocab_size, PROMPT_LENGTHS, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0)
     outputs = llm.generate(prompts, params)
@@ -76,8 +87,7 @@ def test_greedy_batch_equals_transformers_alone(name, model_dir):
 def test_repetition_penalty_matches_transformers(model_dir):
     """Repetition penalty has the same meaning as transformers' (prompt and output)."""
     folder = model_dir("tiny-qwen3")
-    hf = hf_model(folder)
-    llm = LLM(folder, dtype="float32", device="cpu")
+    hf, llm = hf_and_llm(folder)
     prompt = random_prompts(512, (40,), seed=9)[0]
     out = llm.generate(
         [prompt],
@@ -100,8 +110,7 @@ def test_repetition_penalty_matches_transformers(model_dir):
 def test_logprobs_are_the_models(model_dir):
     """Returned logprobs are log-softmax of the model's logits: top-N and the chosen token."""
     folder = model_dir("tiny-llama")
-    hf = hf_model(folder)
-    llm = LLM(folder, dtype="float32", device="cpu")
+    hf, llm = hf_and_llm(folder)
     prompt = random_prompts(512, (21,), seed=4)[0]
     out = llm.generate(
         [prompt], SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)

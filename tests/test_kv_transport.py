@@ -4,6 +4,7 @@ processes, the transport choice, and the cuda_ipc module's CPU-testable parts.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import multiprocessing as mp
@@ -56,14 +57,37 @@ def engine_thread(sender, rid: str, caches, layers=range(LAYERS)) -> threading.T
     return thread
 
 
+@contextlib.asynccontextmanager
 async def tcp_pair(dst_caches):
+    """A tcp receiver writing into dst_caches and a sender, both closed at the end."""
     receiver = tcp.TcpReceiver(dst_caches, "127.0.0.1")
     await receiver.start()
-    return receiver, tcp.TcpSender(asyncio.get_running_loop(), connect_timeout=5)
+    sender = tcp.TcpSender(asyncio.get_running_loop(), connect_timeout=5)
+    try:
+        yield receiver, sender
+    finally:
+        await sender.close()
+        await receiver.close()
 
 
 def plan(rid: str, src=SRC, dst=DST) -> LayerPlan:
     return LayerPlan(rid, list(src), list(dst), LAYERS)
+
+
+def start_transfer(receiver, sender, rid: str, caches, layers=range(LAYERS), src=SRC, dst=DST):
+    """The receiver expects `rid`, the sender begins it and sends `layers` of `caches`
+    from a thread (returned)."""
+    receiver.expect(rid, dst, LAYERS)
+    sender.begin(plan(rid, src, dst), receiver.target())
+    return engine_thread(sender, rid, caches, layers)
+
+
+async def both_fail(receiver, sender, rid: str, match: str) -> None:
+    """The sender's flush and the receiver's wait of `rid` both fail, saying `match`."""
+    with pytest.raises(TransferError, match=match):
+        await sender.flush(rid, 10)
+    with pytest.raises(TransferError, match=match):
+        await receiver.wait(rid, 10)
 
 
 async def until(cond, timeout: float = 5.0) -> None:
@@ -82,17 +106,13 @@ def test_tcp_moves_exactly_the_planned_blocks(dtype):
     before = [t.clone() for t in dst]
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r1", DST, LAYERS)
-        sender.begin(plan("r1"), receiver.target())
-        engine_thread(sender, "r1", src)
-        sent = await sender.flush("r1", timeout=10)
-        got = await receiver.wait("r1", timeout=10)
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r1", src)
+            sent = await sender.flush("r1", timeout=10)
+            got = await receiver.wait("r1", timeout=10)
         layer_bytes = len(SRC) * src[0][0].numel() * src[0].element_size()
         assert sent.bytes == got.bytes == LAYERS * layer_bytes
         assert (sent.layers, sent.blocks, got.layers, got.blocks) == (LAYERS, 7, LAYERS, 7)
-        await sender.close()
-        await receiver.close()
 
     asyncio.run(main())
     assert_landed(dst, before, src)
@@ -104,17 +124,11 @@ def test_tcp_two_concurrent_requests():
     src_b, dst_b = [4, 5, 6], [1, 3, 4]
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("a", DST, LAYERS)
-        receiver.expect("b", dst_b, LAYERS)
-        sender.begin(plan("a"), receiver.target())
-        sender.begin(plan("b", src_b, dst_b), receiver.target())
-        engine_thread(sender, "a", src)
-        engine_thread(sender, "b", src)
-        await asyncio.gather(sender.flush("a", 10), sender.flush("b", 10))
-        await asyncio.gather(receiver.wait("a", 10), receiver.wait("b", 10))
-        await sender.close()
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "a", src)
+            start_transfer(receiver, sender, "b", src, src=src_b, dst=dst_b)
+            await asyncio.gather(sender.flush("a", 10), sender.flush("b", 10))
+            await asyncio.gather(receiver.wait("a", 10), receiver.wait("b", 10))
 
     asyncio.run(main())
     assert_landed(dst, before, src, SRC + src_b, DST + dst_b)
@@ -126,23 +140,14 @@ def test_tcp_layout_mismatch_fails_the_request_not_the_connection():
     good, bad = make_caches(6), make_caches(7, dim=DIM // 2)
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("bad", DST, LAYERS)
-        sender.begin(plan("bad"), receiver.target())
-        engine_thread(sender, "bad", bad)
-        with pytest.raises(TransferError, match="layout"):
-            await sender.flush("bad", 10)
-        with pytest.raises(TransferError, match="layout"):
-            await receiver.wait("bad", 10)
-        conn = next(iter(sender._conns.values()))
-        receiver.expect("good", DST, LAYERS)
-        sender.begin(plan("good"), receiver.target())
-        engine_thread(sender, "good", good)
-        await sender.flush("good", 10)
-        await receiver.wait("good", 10)
-        assert list(sender._conns.values()) == [conn]  # the same connection carried both
-        await sender.close()
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "bad", bad)
+            await both_fail(receiver, sender, "bad", "layout")
+            conn = next(iter(sender._conns.values()))
+            start_transfer(receiver, sender, "good", good)
+            await sender.flush("good", 10)
+            await receiver.wait("good", 10)
+            assert list(sender._conns.values()) == [conn]  # the same connection carried both
 
     asyncio.run(main())
     assert_landed(dst, before, good)
@@ -162,16 +167,9 @@ def test_tcp_corrupted_payload_is_detected(monkeypatch):
     monkeypatch.setattr(tcp.TcpSender, "_prepare", flip_a_byte)
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r", DST, LAYERS)
-        sender.begin(plan("r"), receiver.target())
-        engine_thread(sender, "r", src)
-        with pytest.raises(TransferError, match="checksum"):
-            await sender.flush("r", 10)
-        with pytest.raises(TransferError, match="checksum"):
-            await receiver.wait("r", 10)
-        await sender.close()
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r", src)
+            await both_fail(receiver, sender, "r", "checksum")
 
     asyncio.run(main())
 
@@ -181,27 +179,22 @@ def test_tcp_receiver_killed_mid_transfer_fails_fast_then_reconnects():
     before2 = [t.clone() for t in dst2]
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r", DST, LAYERS)
-        sender.begin(plan("r"), receiver.target())
-        engine_thread(sender, "r", src, layers=[0]).join()
-        await until(lambda: receiver._reqs["r"].layers == {0})
-        await receiver.close()  # drops its connections, as a dead process would
-        engine_thread(sender, "r", src, layers=[1, 2])
-        start = time.monotonic()
-        with pytest.raises(TransferError):
-            await sender.flush("r", timeout=5)
-        assert time.monotonic() - start < 3  # failed on the broken connection, not the timeout
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r", src, layers=[0]).join()
+            await until(lambda: receiver._reqs["r"].layers == {0})
+            await receiver.close()  # drops its connections, as a dead process would
+            engine_thread(sender, "r", src, layers=[1, 2])
+            begun = time.monotonic()
+            with pytest.raises(TransferError):
+                await sender.flush("r", timeout=5)
+            assert time.monotonic() - begun < 3  # failed on the broken connection, not the timeout
 
-        receiver2 = tcp.TcpReceiver(dst2, "127.0.0.1")
-        await receiver2.start()
-        receiver2.expect("r2", DST, LAYERS)
-        sender.begin(plan("r2"), receiver2.target())
-        engine_thread(sender, "r2", src)
-        await sender.flush("r2", 10)
-        await receiver2.wait("r2", 10)
-        await sender.close()
-        await receiver2.close()
+            receiver2 = tcp.TcpReceiver(dst2, "127.0.0.1")
+            await receiver2.start()
+            start_transfer(receiver2, sender, "r2", src)
+            await sender.flush("r2", 10)
+            await receiver2.wait("r2", 10)
+            await receiver2.close()
 
     asyncio.run(main())
     assert_landed(dst2, before2, src)
@@ -211,17 +204,14 @@ def test_tcp_sender_gone_fails_the_receiver_wait():
     src, dst = make_caches(13), make_caches(14)
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r", DST, LAYERS)
-        sender.begin(plan("r"), receiver.target())
-        engine_thread(sender, "r", src, layers=[0]).join()
-        await until(lambda: receiver._reqs["r"].layers == {0})
-        await sender.close()
-        start = time.monotonic()
-        with pytest.raises(TransferError, match="connection lost"):
-            await receiver.wait("r", 5)
-        assert time.monotonic() - start < 3
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r", src, layers=[0]).join()
+            await until(lambda: receiver._reqs["r"].layers == {0})
+            await sender.close()
+            begun = time.monotonic()
+            with pytest.raises(TransferError, match="connection lost"):
+                await receiver.wait("r", 5)
+            assert time.monotonic() - begun < 3
 
     asyncio.run(main())
 
@@ -231,19 +221,15 @@ def test_tcp_cancel_drops_late_frames():
     before = [t.clone() for t in dst]
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r", DST, LAYERS)
-        sender.begin(plan("r"), receiver.target())
-        engine_thread(sender, "r", src, layers=[0]).join()
-        await until(lambda: receiver._reqs["r"].layers == {0})
-        receiver.cancel("r")
-        engine_thread(sender, "r", src, layers=[1, 2])
-        with pytest.raises(TransferError, match="unknown or cancelled"):
-            await sender.flush("r", 5)
-        with pytest.raises(TransferError):
-            await receiver.wait("r", 1)
-        await sender.close()
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r", src, layers=[0]).join()
+            await until(lambda: receiver._reqs["r"].layers == {0})
+            receiver.cancel("r")
+            engine_thread(sender, "r", src, layers=[1, 2])
+            with pytest.raises(TransferError, match="unknown or cancelled"):
+                await sender.flush("r", 5)
+            with pytest.raises(TransferError):
+                await receiver.wait("r", 1)
 
     asyncio.run(main())
     assert_landed(dst, before, src, layers=[0])  # layers 1 and 2 never landed
@@ -253,16 +239,12 @@ def test_tcp_flush_times_out_without_the_last_layer():
     src, dst = make_caches(17), make_caches(18)
 
     async def main():
-        receiver, sender = await tcp_pair(dst)
-        receiver.expect("r", DST, LAYERS)
-        sender.begin(plan("r"), receiver.target())
-        engine_thread(sender, "r", src, layers=[0, 1])
-        start = time.monotonic()
-        with pytest.raises(TransferError, match="timed out"):
-            await sender.flush("r", 0.5)
-        assert time.monotonic() - start < 2
-        await sender.close()
-        await receiver.close()
+        async with tcp_pair(dst) as (receiver, sender):
+            start_transfer(receiver, sender, "r", src, layers=[0, 1])
+            begun = time.monotonic()
+            with pytest.raises(TransferError, match="timed out"):
+                await sender.flush("r", 0.5)
+            assert time.monotonic() - begun < 2
 
     asyncio.run(main())
 

@@ -17,8 +17,9 @@ def test_shared_tier_on_a_cluster():
     async def body(cluster):
         size = value_bytes("t0")
         tenants = [f"t{i}" for i in range(6)]
-        h = harness(cluster.url, cluster=True, capacity=8 * size, overrides={"t0": 2 * size})
-        try:
+        async with harness(
+            cluster.url, cluster=True, capacity=8 * size, overrides={"t0": 2 * size}
+        ) as h:
             a = chain(3, start=1)
             for x in a:
                 assert (await h.put("t0", x)).status == "stored"
@@ -36,8 +37,6 @@ def test_shared_tier_on_a_cluster():
             await h.put("__public__", public)
             assert (await h.store.lookup("t3", FP, [public])).shared_prefix_blocks == 1
             assert public in await h.tier.snapshot()
-        finally:
-            await h.close()
 
     with RedisClusterServers() as cluster:
         run(body(cluster))

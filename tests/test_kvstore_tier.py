@@ -32,8 +32,7 @@ def url(server):
 
 def test_put_get_round_trip(url):
     async def body():
-        h = harness(url)
-        try:
+        async with harness(url) as h:
             hashes = chain(3)
             parents = [0, *hashes[:-1]]
             for block_hash, parent in zip(hashes, parents):
@@ -52,8 +51,6 @@ def test_put_get_round_trip(url):
             assert all(loc.holders == [("shared", "shared")] for loc in found.locations)
             assert h.ledger.tenants["a"].stored_blocks == 3
             assert h.ledger.tenants["a"].hit_tokens == 3 * FP.block_size
-        finally:
-            await h.close()
 
     run(body())
 
@@ -77,8 +74,7 @@ def _flip_parent_hash(value: bytes) -> bytes:
 )
 def test_corrupted_values_are_misses(url, server, kind, reason):
     async def body():
-        h = harness(url)
-        try:
+        async with harness(url) as h:
             first, second = chain(2, start=7)
             await h.put("a", first)
             raw = server.client()
@@ -102,16 +98,13 @@ def test_corrupted_values_are_misses(url, server, kind, reason):
             # The good block can be stored again, and then it is served.
             assert (await h.put("a", second)).status == "stored"
             assert len(await h.get("a", [first, second])) == 2
-        finally:
-            await h.close()
 
     run(body())
 
 
 def test_half_written_block_is_never_visible(url, server):
     async def body():
-        h = harness(url, pending_put_seconds=0.3)
-        try:
+        async with harness(url, pending_put_seconds=0.3) as h:
             (block_hash,) = chain(1, start=3)
             # A writer that died between writing and renaming leaves only a temp key.
             raw = server.client()
@@ -124,16 +117,13 @@ def test_half_written_block_is_never_visible(url, server):
             assert (await h.put("a", block_hash)).status == "stored"
             assert not raw.keys("*:tmp:*"), "a finished put leaves no temp key"
             assert raw.ttl(Namespace("a").block(member(FP.id, block_hash))) == -1
-        finally:
-            await h.close()
 
     run(body())
 
 
 def test_quota_evicts_only_the_tenants_own_lru_blocks(url):
     async def body():
-        h = harness(url, overrides={"a": 4 * value_bytes("a")})
-        try:
+        async with harness(url, overrides={"a": 4 * value_bytes("a")}) as h:
             a, b = chain(6, start=10), chain(3, start=20)
             for x in b:
                 await h.put("b", x)
@@ -151,8 +141,6 @@ def test_quota_evicts_only_the_tenants_own_lru_blocks(url):
             assert (blocks, nbytes) == (4, 4 * value_bytes("a"))
             batch = h.events.batches()[0]
             assert batch.reset is False and set(batch.removed) == {a[1], a[2]}
-        finally:
-            await h.close()
 
     run(body())
 
@@ -160,8 +148,7 @@ def test_quota_evicts_only_the_tenants_own_lru_blocks(url):
 def test_capacity_evicts_the_globally_least_recently_used(url):
     async def body():
         size = value_bytes("a")
-        h = harness(url, capacity=5 * size)
-        try:
+        async with harness(url, capacity=5 * size) as h:
             a, b = chain(3, start=30), chain(3, start=40)
             for x in a:
                 await h.put("a", x)
@@ -171,8 +158,6 @@ def test_capacity_evicts_the_globally_least_recently_used(url):
             assert [x for x in a if await h.get("a", [x])] == a[1:]
             assert (await h.tier.usage("a"))[1] + (await h.tier.usage("b"))[1] <= 5 * size
             assert await h.tier.reconcile() == 5 * size
-        finally:
-            await h.close()
 
     run(body())
 
@@ -180,8 +165,7 @@ def test_capacity_evicts_the_globally_least_recently_used(url):
 def test_lookups_in_a_loop_cannot_keep_a_block_forever(url):
     async def body():
         size = value_bytes("a")
-        h = harness(url, capacity=2 * size, lease_seconds=0.3, max_lease_seconds=1.0)
-        try:
+        async with harness(url, capacity=2 * size, lease_seconds=0.3, max_lease_seconds=1.0) as h:
             held, (newcomer,) = chain(2, start=50), chain(1, start=60)
             for x in held:
                 await h.put("a", x)
@@ -205,32 +189,26 @@ def test_lookups_in_a_loop_cannot_keep_a_block_forever(url):
             await prober
             assert h.ledger.tenants["a"].evictions == 1
             assert h.ledger.tenants["a"].rejected_puts >= 1
-        finally:
-            await h.close()
 
     run(body())
 
 
 def test_public_blocks_are_readable_by_every_tenant(url):
     async def body():
-        h = harness(url)
-        try:
+        async with harness(url) as h:
             shared, private = chain(2, start=70)
             await h.put("__public__", shared)
             await h.put("a", private)
             assert [b.block_hash for b in await h.get("b", [shared])] == [shared]
             assert (await h.store.lookup("b", FP, [shared, private])).shared_prefix_blocks == 1
             assert await h.get("b", [private]) == []
-        finally:
-            await h.close()
 
     run(body())
 
 
 def test_redis_killed_and_back():
     async def body(server):
-        h = harness(server.url)
-        try:
+        async with harness(server.url) as h:
             hashes = chain(2, start=80)
             assert (await h.put("a", hashes[0])).status == "stored"
             server.kill()
@@ -251,8 +229,6 @@ def test_redis_killed_and_back():
             assert h.tier.guard.recovered()
             assert [b.block_hash for b in await h.get("a", hashes[1:])] == hashes[1:]
             assert await h.get("a", hashes[:1]) == []  # lost with the old Redis
-        finally:
-            await h.close()
 
     with RedisServer() as server:
         run(body(server))
@@ -260,21 +236,20 @@ def test_redis_killed_and_back():
 
 def test_redis_out_of_memory_rejects_puts_but_keeps_serving(url, server):
     async def body():
-        h = harness(url)
         raw = server.client()
-        try:
-            kept, refused = chain(2, start=90)
-            await h.put("a", kept)
-            used = int(raw.info("memory")["used_memory"])
-            raw.config_set("maxmemory-policy", "noeviction")
-            raw.config_set("maxmemory", used + 1024)  # full: the next put needs 4 KiB
-            outcome = await h.put("a", refused)
-            assert (outcome.status, outcome.reason) == ("rejected", "unavailable")
-            assert "OutOfMemory" in outcome.detail or "OOM" in outcome.detail
-            assert h.tier.guard.up, "an answering Redis is not a dead one"
-            assert [b.block_hash for b in await h.get("a", [kept])] == [kept]
-        finally:
-            raw.config_set("maxmemory", 0)
-            await h.close()
+        async with harness(url) as h:
+            try:
+                kept, refused = chain(2, start=90)
+                await h.put("a", kept)
+                used = int(raw.info("memory")["used_memory"])
+                raw.config_set("maxmemory-policy", "noeviction")
+                raw.config_set("maxmemory", used + 1024)  # full: the next put needs 4 KiB
+                outcome = await h.put("a", refused)
+                assert (outcome.status, outcome.reason) == ("rejected", "unavailable")
+                assert "OutOfMemory" in outcome.detail or "OOM" in outcome.detail
+                assert h.tier.guard.up, "an answering Redis is not a dead one"
+                assert [b.block_hash for b in await h.get("a", [kept])] == [kept]
+            finally:
+                raw.config_set("maxmemory", 0)
 
     run(body())

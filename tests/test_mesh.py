@@ -120,24 +120,13 @@ def test_openai_client(mesh, reference):
     assert all(len(t) == 2 for t in done.choices[0].logprobs.top_logprobs)
     assert done.usage.completion_tokens == 12
 
-    chat = client.chat.completions.create(
-        model="tiny-llama",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-    )
+    hi = dict(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    chat = client.chat.completions.create(**hi, temperature=0, logprobs=True, top_logprobs=3)
     lp = chat.choices[0].logprobs.content
     assert len(lp) == 5 and all(len(e.top_logprobs) == 3 for e in lp)
 
     stream = client.chat.completions.create(
-        model="tiny-llama",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        **hi, temperature=0, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []

@@ -7,10 +7,9 @@ from __future__ import annotations
 import time
 
 import httpx
-from test_hf_parity import random_prompts
+from test_hf_parity import greedy_texts, random_prompts
 
 from bench.gpu import pd_kill
-from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import metric_sum
@@ -41,12 +40,7 @@ def run_streams(mesh, prompts, kill: str, wait_started: int, delay: float = 0.0)
 
 def test_decode_worker_death_migrates_streams(model_dir):
     prompts = random_prompts(500, [20 + 7 * i for i in range(32)], seed=101)
-    expected = [
-        o.outputs[0].text
-        for o in LLM(model_dir("tiny-llama"), device="cpu").generate(
-            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        )
-    ]
+    expected = greedy_texts(model_dir("tiny-llama"), prompts, MAX_TOKENS)
     with Mesh(spec(model_dir, role_argv={"decode": ["--kv-lease-seconds", "3"]})) as mesh:
         results, elapsed = run_streams(mesh, prompts, "decode-0", wait_started=8)
         for i in range(len(prompts)):
@@ -66,12 +60,7 @@ def test_decode_worker_death_migrates_streams(model_dir):
 
 def test_prefill_worker_death_costs_no_request(model_dir):
     prompts = random_prompts(500, [900 + 37 * i for i in range(16)], seed=102)
-    expected = [
-        o.outputs[0].text
-        for o in LLM(model_dir("tiny-llama"), device="cpu").generate(
-            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        )
-    ]
+    expected = greedy_texts(model_dir("tiny-llama"), prompts, MAX_TOKENS)
     with Mesh(spec(model_dir)) as mesh:
         # Killed while the prompts are still being prefilled (or about to be).
         results, _ = run_streams(mesh, prompts, "prefill-0", wait_started=0, delay=0.3)

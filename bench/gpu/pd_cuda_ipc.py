@@ -18,26 +18,13 @@ from __future__ import annotations
 
 from bench.gpu import ceilings, kv_transfer, pd_mesh
 from bench.gpu.sections import Sections, script_parser
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 
 def mesh_spec(folder, device: str) -> MeshSpec:
-    blocks = (12000, 16000) if device == "cuda" else (1000, 1000)
-    return MeshSpec(
-        model=str(folder),
-        workers=0,
-        prefill=1,
-        decode=1,
-        port=free_port(),
-        engine_argv=pd_mesh.engine_argv(device),
-        scheduler_argv=["--disagg-min-tokens", "1"],
-        worker_argv=["--kv-transports", "cuda_ipc,tcp" if device == "cuda" else "tcp"],
-        role_argv={
-            "prefill": ["--num-gpu-blocks", str(blocks[0])],
-            "decode": ["--num-gpu-blocks", str(blocks[1])],
-        },
-    )
+    cuda = device == "cuda"
+    blocks = (12000, 16000) if cuda else (1000, 1000)
+    return pd_mesh.split_spec(folder, device, 1, "cuda_ipc,tcp" if cuda else "tcp", blocks)
 
 
 def main(argv: list[str] | None = None) -> dict:

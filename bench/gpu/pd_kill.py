@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import torch
@@ -65,6 +66,20 @@ def stream_completion(
     return {"text": text, "tokens": tokens, "top_logprobs": top, "error": error}
 
 
+def start_streams(
+    one: Callable[[int], None], started: list[threading.Event], wait_started: int
+) -> list[threading.Thread]:
+    """Runs one(i) for every stream i (one per event of `started`) on a daemon thread;
+    returns the threads once `wait_started` of the events are set, or after a minute."""
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(started))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(e.is_set() for e in started) < wait_started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return threads
+
+
 def run_streams(
     mesh,
     model: str,
@@ -87,12 +102,7 @@ def run_streams(
         )
         results[i]["ended"] = time.monotonic()
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while sum(e.is_set() for e in events) < wait_started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    threads = start_streams(one, events, wait_started)
     time.sleep(delay)
     if kill is not None:
         mesh.kill(kill)

@@ -15,6 +15,8 @@ import grpc
 import torch
 
 from proto.yinian.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.processes import free_port
+from yinian.mesh import MeshSpec
 from yinian.mesh_probe import workers_by_role
 
 VOCAB = 500  # prompt ids below every preset's vocabulary
@@ -32,6 +34,29 @@ def engine_argv(device: str, dtype: str = "") -> list[str]:
     if device == "cuda":
         return [*argv, "--dtype", "bfloat16", "--max-model-len", "40960"]
     return argv
+
+
+def split_spec(
+    folder, device: str, decode: int, transports: str, blocks: tuple[int, int], dtype: str = "",
+    scheduler_argv=(), decode_argv=(), **spec,
+) -> MeshSpec:  # fmt: skip
+    """One prefill worker and `decode` decode workers (dummy weights) offering `transports`,
+    every prompt handed off; blocks: the (prefill, decode) KV blocks."""
+    return MeshSpec(
+        model=str(folder),
+        workers=0,
+        prefill=1,
+        decode=decode,
+        port=free_port(),
+        engine_argv=engine_argv(device, dtype),
+        scheduler_argv=["--disagg-min-tokens", "1", *scheduler_argv],
+        worker_argv=["--kv-transports", transports],
+        role_argv={
+            "prefill": ["--num-gpu-blocks", str(blocks[0])],
+            "decode": ["--num-gpu-blocks", str(blocks[1]), *decode_argv],
+        },
+        **spec,
+    )
 
 
 def endpoints(mesh, decode_id: str | None = None) -> tuple[worker_pb2_grpc.DecodeStub, str]:

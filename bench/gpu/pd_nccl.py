@@ -29,7 +29,6 @@ from pathlib import Path
 from bench.gpu import ceilings, kv_transfer, pd_kill, pd_mesh
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 NO_MULTICAST = {  # NVLink multicast stays off on shared hosts
@@ -42,20 +41,16 @@ KILLS = {"cuda": (32, 256), "cpu": (4, 24)}
 
 
 def mesh_spec(folder: Path, device: str, blocks: tuple[int, int], dtype: str = "") -> MeshSpec:
-    return MeshSpec(
-        model=str(folder),
-        workers=0,
-        prefill=1,
-        decode=2,
-        port=free_port(),
+    return pd_mesh.split_spec(
+        folder,
+        device,
+        2,
+        "nccl,tcp",
+        blocks,
+        dtype,
+        scheduler_argv=["--heartbeat-timeout", "2"],
+        decode_argv=["--kv-lease-seconds", "5"],
         env=NO_MULTICAST,
-        engine_argv=pd_mesh.engine_argv(device, dtype),
-        scheduler_argv=["--disagg-min-tokens", "1", "--heartbeat-timeout", "2"],
-        worker_argv=["--kv-transports", "nccl,tcp"],
-        role_argv={
-            "prefill": ["--num-gpu-blocks", str(blocks[0])],
-            "decode": ["--num-gpu-blocks", str(blocks[1]), "--kv-lease-seconds", "5"],
-        },
         role_env={
             "prefill": {"CUDA_VISIBLE_DEVICES": "0,1"},
             "decode": {"CUDA_VISIBLE_DEVICES": "1,0"},

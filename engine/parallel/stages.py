@@ -31,14 +31,6 @@ class StagePlan:
         first = self.stage * base + min(self.stage, extra)
         return first, first + base + (1 if self.stage < extra else 0)
 
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.pp_size - 1
-
     def owns(self, hf_name: str) -> bool:
         """Whether checkpoint tensor `hf_name` is loaded by this stage."""
         if hf_name.startswith("model.layers."):
@@ -47,7 +39,7 @@ class StagePlan:
                 first, stop = self.layers
                 return first <= int(index) < stop
         if hf_name.startswith("model.embed_tokens."):
-            return self.first
+            return self.stage == 0
         if hf_name.startswith(("model.norm.", "lm_head.")):
-            return self.last
+            return self.stage == self.pp_size - 1
         return True

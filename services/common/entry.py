@@ -1,18 +1,28 @@
 """How every service process starts: logging, uvloop where available, and its
-async main run to completion. A `StartupError` (a taken port, a missing
-certificate) is the operator's to fix: it ends the process with one line that
-names the cause, not a traceback."""
+async main run to completion (for most, until a signal to stop). A `StartupError`
+(a taken port, a missing certificate) is the operator's to fix: it ends the
+process with one line that names the cause, not a traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Awaitable
 
 
 class StartupError(RuntimeError):
     """The service cannot start for a reason its operator must fix."""
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event the running loop sets when the process gets SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def run_service(main: Awaitable[None]) -> int:

@@ -93,19 +93,14 @@ class RemotePrefill:
         when the handoff works, else to be prefilled locally. Outputs then flow on
         the request's stream (open it first)."""
         timing = HandoffTiming()
+        request = (request_id, prompt_ids, params)
+        placing = dict(priority=priority, namespace=tenant, public_tokens=public_tokens)
         start = time.monotonic()
-        reservation = await self.engine.reserve_remote(
-            request_id,
-            prompt_ids,
-            params,
-            priority=priority,
-            namespace=tenant,
-            public_tokens=public_tokens,
-        )
+        reservation = await self.engine.reserve_remote(*request, **placing)
         timing.queue_seconds = time.monotonic() - start
         if reservation is None:
             timing.fell_back = "no free blocks to reserve"
-            await self._local(request_id, prompt_ids, params, tenant, public_tokens, priority)
+            await self.engine.add_request(*request, **placing)  # prefilled here
             return timing
         timing.skipped_blocks = reservation.skip_blocks
         # Each attempt gets its own id on the wire: a retried or migrated request must
@@ -148,7 +143,7 @@ class RemotePrefill:
             )
             await self.engine.cancel_remote(request_id)
             timing.fell_back = str(exc)
-            await self._local(request_id, prompt_ids, params, tenant, public_tokens, priority)
+            await self.engine.add_request(*request, **placing)
             return timing
         timing.prefill_seconds = result.prefill_seconds
         timing.transfer_seconds = max(0.0, time.monotonic() - asked - result.prefill_seconds)
@@ -165,16 +160,6 @@ class RemotePrefill:
             self.client.release(prefill_address, result.lease_id)
         )
         return timing
-
-    async def _local(self, request_id, prompt_ids, params, tenant, public_tokens, priority):
-        await self.engine.add_request(
-            request_id,
-            prompt_ids,
-            params,
-            priority=priority,
-            namespace=tenant,
-            public_tokens=public_tokens,
-        )
 
     async def close(self) -> None:
         await self.receivers.close()

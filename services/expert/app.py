@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
 import grpc
 import torch
@@ -19,7 +18,7 @@ from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common import metrics as common_metrics
 from services.common.bus import EventBus, expert_load_subject
 from services.common.channels import OPTIONS
-from services.common.entry import StartupError
+from services.common.entry import StartupError, stop_on_signals
 from services.common.experts.group import model_tag
 from services.common.grpc_server import GrpcServer
 from services.common.telemetry import setup_tracing, shutdown_tracing
@@ -127,10 +126,7 @@ async def run(config: ExpertConfig) -> None:
     reports = asyncio.create_task(report_load(bus, store, config, info))
     await server.serving(True)
     print(f"READY expert {config.expert_id} {info.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     await server.serving(False)
     await deregister(config)

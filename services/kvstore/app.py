@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 
 from proto.yinian.v1 import common_pb2, kvstore_pb2_grpc
@@ -21,6 +20,7 @@ from services.common.bus import (
     kv_subject,
     load_subject,
 )
+from services.common.entry import stop_on_signals
 from services.common.grpc_server import GrpcServer
 from services.common.kv_index import SHARED_HOLDER
 from services.common.telemetry import setup_tracing, shutdown_tracing
@@ -89,6 +89,15 @@ class EventHandlers:
         if request.worker_id in ("", SHARED_HOLDER):
             self.events.reset_wanted = True
 
+    async def listen(self) -> None:
+        """Subscribes to workers' KV events and load reports, then asks every worker
+        for a reset batch (so the index survives a restart) before subscribing to
+        resync requests (so the store never hears its own)."""
+        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv)
+        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load)
+        await self.bus.publish(KV_RESYNC_SUBJECT, common_pb2.KvResync(reason="kv store started"))
+        await self.bus.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync, self.on_resync)
+
 
 async def take_snapshot(tier: SharedTier | None, events: SharedEventLog) -> None:
     """Queues a reset batch of everything in Redis (empty when Redis is down or
@@ -154,13 +163,7 @@ async def run(config: KvStoreConfig) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, "kvstore")
     await bus.connect()
-    handlers = EventHandlers(index, events, bus)
-    await bus.subscribe(kv_subject(), common_pb2.KvEvents, handlers.on_kv)
-    await bus.subscribe(load_subject(), common_pb2.LoadReport, handlers.on_load)
-    # Every worker answers with a reset batch, so the index survives a restart.
-    # Published before subscribing to resyncs, so the store never hears its own.
-    await bus.publish(KV_RESYNC_SUBJECT, common_pb2.KvResync(reason="kv store started"))
-    await bus.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync, handlers.on_resync)
+    await EventHandlers(index, events, bus).listen()
     if tier is not None:
         with contextlib.suppress(TierUnavailable):
             await tier.reconcile()
@@ -169,10 +172,7 @@ async def run(config: KvStoreConfig) -> None:
     await server.serving(True)
     print(f"READY kvstore {config.host}:{server.port}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     housekeeping = Housekeeping(store, tier, events)
     last_housekeeping = last_gauges = last_reconcile = time.monotonic()
     while not stop.is_set():

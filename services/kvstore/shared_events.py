@@ -52,17 +52,22 @@ class SharedEventLog:
         for entered, hashes in journal:
             (self.stored if entered else self.removed)(hashes)
 
+    def _journaled(self, entered: bool, hashes) -> bool:
+        """Whether a snapshot is being read, so the change waits in the journal."""
+        if self._journal is None:
+            return False
+        self._journal.append((entered, list(hashes)))
+        return True
+
     def stored(self, hashes) -> None:
-        if self._journal is not None:
-            self._journal.append((True, list(hashes)))
+        if self._journaled(True, hashes):
             return
         for h in hashes:
             self._removed.pop(h, None)
             self._stored[h] = None
 
     def removed(self, hashes) -> None:
-        if self._journal is not None:
-            self._journal.append((False, list(hashes)))
+        if self._journaled(False, hashes):
             return
         for h in hashes:
             self._stored.pop(h, None)

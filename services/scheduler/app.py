@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 
 from google.protobuf import empty_pb2
@@ -23,6 +22,7 @@ from services.common.bus import (
     load_subject,
     register_subject,
 )
+from services.common.entry import stop_on_signals
 from services.common.grpc_server import GrpcServer
 from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import setup_tracing, shutdown_tracing
@@ -83,6 +83,11 @@ class EventHandlers:
                 KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="gap")
             )
 
+    async def listen(self) -> None:
+        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load)
+        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv)
+        await self.bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, self.on_shared)
+
 
 async def run(config: SchedulerConfig) -> None:
     setup_tracing("yinian-scheduler")
@@ -109,18 +114,12 @@ async def run(config: SchedulerConfig) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     bus = EventBus(config.nats_url, "scheduler")
     await bus.connect()
-    handlers = EventHandlers(registry, index, bus)
-    await bus.subscribe(load_subject(), common_pb2.LoadReport, handlers.on_load)
-    await bus.subscribe(kv_subject(), common_pb2.KvEvents, handlers.on_kv)
-    await bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, handlers.on_shared)
+    await EventHandlers(registry, index, bus).listen()
     await experts.subscribe(bus)
     await server.serving(True)
     print(f"READY scheduler {config.host}:{server.port}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     while not stop.is_set():
         if not bus.connected:
             # No heartbeat can arrive while NATS is away: that is no sign of a

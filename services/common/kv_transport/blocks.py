@@ -1,7 +1,8 @@
 """What the KV transports share: the layout both ends must agree on, the
-future helpers, and `BlockReceiver`, the receiving half of a transport that
-writes the cache itself (tcp, nccl): per-request bookkeeping, layout and size
-checks, cache writes, completion and cancel."""
+future helpers, lookup and abort of a transfer by request id, and
+`BlockReceiver`, the receiving half of a transport that writes the cache itself
+(tcp, nccl): per-request bookkeeping, layout and size checks, cache writes,
+completion and cancel."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ async def await_future(fut: cf.Future, timeout: float, what: str):
         raise TransferError(f"{what}: timed out after {timeout:.1f} s") from None
     except cf.CancelledError:
         raise TransferError(f"{what}: cancelled") from None
+
+
+def find_transfer(transfers: dict, request_id: str, missing: str):
+    """transfers[request_id], or a TransferError that says `missing`."""
+    transfer = transfers.get(request_id)
+    if transfer is None:
+        raise TransferError(f"{request_id}: {missing}")
+    return transfer
+
+
+def abort_transfer(transfers: dict, request_id: str) -> None:
+    """Forgets the outgoing transfer `request_id` and fails its `done` future (a no-op when
+    there is none)."""
+    tx = transfers.pop(request_id, None)
+    if tx is not None:
+        settle(tx.done, error=TransferError(f"{request_id}: aborted"))
 
 
 def ids_bytes(ids: list[int]) -> bytes:
@@ -73,9 +90,7 @@ class BlockReceiver(KvReceiver):
         self._reqs[request_id] = Incoming(dst, ids_bytes(dst), index, num_layers)
 
     async def wait(self, request_id: str, timeout: float) -> TransferStats:
-        rx = self._reqs.get(request_id)
-        if rx is None:
-            raise TransferError(f"{request_id}: no transfer expected")
+        rx = find_transfer(self._reqs, request_id, "no transfer expected")
         try:
             return await await_future(rx.done, timeout, request_id)
         finally:

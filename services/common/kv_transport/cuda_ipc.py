@@ -48,7 +48,7 @@ from services.common.kv_transport.base import (
     TransferError,
     TransferStats,
 )
-from services.common.kv_transport.blocks import await_future, settle
+from services.common.kv_transport.blocks import await_future, find_transfer, settle
 
 try:  # present in every torch 2.x build, CPU ones included; guarded all the same
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -150,9 +150,7 @@ class CudaIpcReceiver(KvReceiver):
         self._reqs[request_id] = cf.Future()
 
     async def wait(self, request_id: str, timeout: float) -> TransferStats:
-        fut = self._reqs.get(request_id)
-        if fut is None:
-            raise TransferError(f"{request_id}: no transfer expected")
+        fut = find_transfer(self._reqs, request_id, "no transfer expected")
         try:
             return await await_future(fut, timeout, request_id)
         finally:
@@ -254,9 +252,7 @@ class CudaIpcSender(KvSender):
             tx.sent.set()
 
     async def flush(self, request_id: str, timeout: float) -> TransferStats:
-        tx = self._txs.get(request_id)
-        if tx is None:
-            raise TransferError(f"{request_id}: no transfer begun")
+        tx = find_transfer(self._txs, request_id, "no transfer begun")
         loop = asyncio.get_running_loop()
         try:  # the GPU wait runs on a worker thread: the event loop never blocks
             return await loop.run_in_executor(self._pool, self._finish, tx, timeout)

@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from services.common.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
-from services.common.kv_transport.blocks import await_future, layout, settle
+from services.common.kv_transport.blocks import (
+    abort_transfer,
+    await_future,
+    find_transfer,
+    layout,
+    settle,
+)
 from services.common.kv_transport.nccl_group import (
     FOREVER,
     MESSAGE_BYTES,
@@ -94,9 +100,7 @@ class NcclSender(KvSender):
         tx.group.layers.put((tx, layer, cache_layer, ready))
 
     async def flush(self, request_id: str, timeout: float) -> TransferStats:
-        tx = self._txs.get(request_id)
-        if tx is None:
-            raise TransferError(f"{request_id}: no transfer begun")
+        tx = find_transfer(self._txs, request_id, "no transfer begun")
         try:
             return await await_future(tx.done, timeout, request_id)
         finally:
@@ -104,9 +108,7 @@ class NcclSender(KvSender):
             tx.group.txs.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        tx = self._txs.pop(request_id, None)
-        if tx is not None:
-            settle(tx.done, error=TransferError(f"{request_id}: aborted"))
+        abort_transfer(self._txs, request_id)
 
     async def close(self) -> None:
         for group in list(self._groups.values()):

@@ -35,7 +35,9 @@ from services.common.kv_transport.base import KvSender, LayerPlan, TransferError
 from services.common.kv_transport.blocks import (
     BlockReceiver,
     Incoming,
+    abort_transfer,
     await_future,
+    find_transfer,
     ids_bytes,
     layout,
     settle,
@@ -221,9 +223,7 @@ class TcpSender(KvSender):
         self._loop.call_soon_threadsafe(self._enqueue, tx, layer, host, ready)
 
     async def flush(self, request_id: str, timeout: float) -> TransferStats:
-        tx = self._txs.get(request_id)
-        if tx is None:
-            raise TransferError(f"{request_id}: no transfer begun")
+        tx = find_transfer(self._txs, request_id, "no transfer begun")
         try:
             return await await_future(tx.done, timeout, request_id)
         except TransferError:
@@ -238,9 +238,7 @@ class TcpSender(KvSender):
                 tx.conn.txs.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        tx = self._txs.pop(request_id, None)
-        if tx is not None:
-            settle(tx.done, error=TransferError(f"{request_id}: aborted"))
+        abort_transfer(self._txs, request_id)
 
     async def close(self) -> None:
         for conn in list(self._conns.values()):
