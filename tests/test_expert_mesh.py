@@ -106,6 +106,8 @@ def test_a_rebalance_amid_32_streams_changes_no_token(mesh, prompts, expected):
     seen = {}
 
     def rebalance(results):
+        # the services report their load every 0.5 s: plan once a report arrived
+        _wait(mesh, lambda s: sum(s.window_load) > 0, timeout=30)
         seen["reply"] = reply = balancer(mesh).Rebalance(expert_pb2.RebalanceRequest())
         deadline = time.monotonic() + 30
         # the worker switches at a step boundary (none comes once the streams ended)

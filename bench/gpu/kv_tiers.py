@@ -26,7 +26,7 @@ def host_load(folder, engine: dict, blocks: int) -> dict:
     llm = LLM(folder, **engine)
     try:
         host = llm.engine.tiers.host
-        blocks = min(blocks, host.pool.num_blocks, llm.engine.num_kv_blocks - 1)
+        blocks = min(blocks, host.pool.num_blocks, llm.engine.facts.num_kv_blocks - 1)
         slots = []
         for h in range(1, blocks + 1):
             slot = host.pool.begin_store(h)
