@@ -98,6 +98,11 @@ class LLMEngine:
         check_request(
             prompt_ids, params, self.model_config, self.max_model_len, self.tokenizer, self.kv
         )
+        if params.n > self.config.max_num_seqs:  # its outputs could never run together
+            raise ValueError(
+                f"n ({params.n}) must not exceed the engine's max_num_seqs "
+                f"({self.config.max_num_seqs})"
+            )
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
 

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from hf_oracle import ARCH_CONFIGS  # noqa: E402
+from guarded_mesh import guarded_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 from openai_mesh import default_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 
 from engine.make_model import TINY_PRESETS, preset_config, write_model  # noqa: E402

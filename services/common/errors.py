@@ -19,6 +19,14 @@ class InvalidRequest(MeshError, ValueError):
         self.param = param
 
 
+class PayloadTooLarge(InvalidRequest):
+    """A request body over the size the gateway reads."""
+
+
+class RequestTimeout(InvalidRequest):
+    """The client took too long to send its request body."""
+
+
 class Unauthenticated(MeshError):
     """A missing or unknown API key."""
 
@@ -33,6 +41,11 @@ class Saturated(MeshError):
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class RateLimited(Saturated):
+    """A tenant is over one of its limits (rate, tokens, concurrency); retry after
+    `retry_after` seconds."""
 
 
 class WorkerUnavailable(MeshError):
@@ -55,6 +68,8 @@ GRPC_STATUS: dict[type[BaseException], grpc.StatusCode] = {
 
 # (HTTP status, OpenAI error type)
 HTTP_STATUS: dict[type[BaseException], tuple[int, str]] = {
+    PayloadTooLarge: (413, "invalid_request_error"),
+    RequestTimeout: (408, "invalid_request_error"),
     InvalidRequest: (400, "invalid_request_error"),
     ValueError: (400, "invalid_request_error"),
     Unauthenticated: (401, "authentication_error"),

@@ -136,7 +136,8 @@ def _wrap_stream(behavior):
 class GrpcServer:
     """An aio server with health and reflection; `serving(bool)` flips readiness.
     With `tls`, clients must show a certificate of its CA unless
-    `require_client_cert` is False (a public endpoint)."""
+    `require_client_cert` is False (a public endpoint). Larger requests than
+    `max_message_bytes` are refused (RESOURCE_EXHAUSTED) before they are parsed."""
 
     def __init__(
         self,
@@ -145,6 +146,7 @@ class GrpcServer:
         tls: TlsFiles | None = None,
         require_client_cert: bool = True,
         what: str = "gRPC",
+        max_message_bytes: int = 256 * 1024 * 1024,
     ):
         check_port_free(host, port, what)  # before gRPC logs a bind failure of its own
         check_readable(tls)
@@ -152,7 +154,7 @@ class GrpcServer:
         self.server = grpc.aio.server(
             interceptors=[self.in_flight, ErrorMappingInterceptor()],
             options=[
-                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),
                 # gRPC shares ports by default: a second server on a taken port would
                 # bind and split the traffic silently.

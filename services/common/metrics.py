@@ -128,6 +128,9 @@ REQUESTS = Counter("yinian:request_total", "Finished requests", ["finish_reason"
 PROMPT_TOKENS = Counter("yinian:prompt_tokens_total", "Prompt tokens")
 GENERATION_TOKENS = Counter("yinian:generation_tokens_total", "Generated tokens")
 GATEWAY_IN_FLIGHT = Gauge("yinian:gateway_requests_in_flight", "Requests the gateway is serving")
+RATE_LIMITED = Counter(
+    "yinian:rate_limited", "Requests refused by a tenant's limits (429)", ["reason"]
+)
 MIGRATIONS = Counter(
     "yinian:request_migrations", "Streams moved to another worker after theirs failed"
 )

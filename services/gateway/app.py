@@ -1,6 +1,7 @@
 """Serves the gateway: the FastAPI app on uvicorn and the gRPC API, both ready
 only when the scheduler has a ready worker behind it; both on TLS when the
-gateway has a certificate (it then shows it to the scheduler and workers too)."""
+gateway has a certificate (it then shows it to the scheduler and workers too).
+SIGHUP reads the API keys and tenant limits again."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from proto.yinian.v1 import inference_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.common.processes import listen_socket
 from services.common.telemetry import setup_tracing, shutdown_tracing
+from services.gateway.admission import Admission
 from services.gateway.auth import Authenticator, check_listen_address, load_keys
 from services.gateway.clients import SchedulerClient, WorkerPool
 from services.gateway.config import GatewayConfig
@@ -45,7 +47,7 @@ class HealthProbe:
 
 async def run(config: GatewayConfig) -> None:
     setup_tracing("yinian-gateway")
-    auth = Authenticator(load_keys(config.api_keys))
+    auth = Authenticator(load_keys(config.api_keys), config.api_keys)
     check_listen_address(config.host, auth, config.allow_unauthenticated)
     tls = config.tls_files()
     scheduler = SchedulerClient(config.scheduler, tls=tls)
@@ -67,10 +69,23 @@ async def run(config: GatewayConfig) -> None:
         config.idle_timeout,
         max_migrations=config.max_migrations,
     )
+    # a concurrency slot in Redis outlives the longest request (a dead gateway's expire)
+    core.admission = Admission(config.tenant_limits, config.redis_url, config.request_timeout + 30)
     health = HealthProbe(scheduler)
-    app = create_app(core, auth, health)
+    app = create_app(core, auth, health, config.max_body_bytes, config.body_timeout)
+
+    def reload() -> None:
+        auth.reload()
+        core.admission.reload()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
     grpc_server = GrpcServer(
-        config.host, config.grpc_port, tls, require_client_cert=False, what="gRPC (Inference)"
+        config.host,
+        config.grpc_port,
+        tls,
+        require_client_cert=False,
+        what="gRPC (Inference)",
+        max_message_bytes=config.max_body_bytes,
     )
     rest_socket = listen_socket(config.host, config.port, "REST")
     grpc_server.add(
@@ -116,4 +131,5 @@ async def run(config: GatewayConfig) -> None:
     await asyncio.wait({serve_task}, timeout=5)
     await workers.close()
     await scheduler.close()
+    await core.admission.close()
     shutdown_tracing()

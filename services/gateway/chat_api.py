@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from basis.structured_output import StructuredOutput
 from services.common.errors import InvalidRequest, http_status_of
@@ -15,8 +14,14 @@ from services.gateway import openai_format as fmt
 from services.gateway.chat_protocol import ChatCompletionRequest
 from services.gateway.frontend import RunStats
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.openapi_doc import (
+    RUN_ERRORS,
+    ChatCompletionResponse,
+    answers,
+    request_body,
+)
 from services.gateway.protocol import error_body
-from services.gateway.request_io import parse, request_span, run_guarded
+from services.gateway.request_io import HeldStream, parse, request_span, run_guarded
 from services.gateway.structured_request import checked, requested_outputs, tool_output
 from services.gateway.tool_calls import ToolFormat
 
@@ -88,7 +93,11 @@ def _schema_error(spec: StructuredOutput) -> str:
 
 
 def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
-    @app.post(ROUTE)
+    @app.post(
+        ROUTE,
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses=answers(ChatCompletionResponse, *RUN_ERRORS, stream=True),
+    )
     async def _chat(request: Request):
         tenant = auth.tenant(request.headers.get("authorization"))
         req = await parse(request, ChatCompletionRequest)
@@ -105,6 +114,7 @@ def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
             req.priority,
             prefix="chatcmpl",
         )
+        ticket = await core.admission.admit(tenant, [prep])
         if not req.stream:
 
             async def whole():
@@ -115,7 +125,7 @@ def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
                     prep.request_id, req.model, results, [stats], plan.tool_format
                 )
 
-            return await run_guarded(request, whole())
+            return await run_guarded(request, whole(), ticket)
 
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
@@ -169,4 +179,4 @@ def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
                     yield fmt.sse(error_body(str(exc), err_type, status))
             yield fmt.sse("[DONE]")
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return HeldStream(stream(), ticket)

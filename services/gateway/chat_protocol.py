@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from services.common.errors import InvalidRequest
-from services.gateway.protocol import SamplingFields, StrictBody
+from services.gateway.protocol import MAX_TOOLS, SamplingFields, StrictBody
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -97,8 +99,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[ToolDefinition] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None  # recorded on the request's trace
@@ -134,8 +136,6 @@ class ChatCompletionRequest(SamplingFields):
                 "metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters",
                 param="metadata",
             )
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         for tool in self.tools or ():

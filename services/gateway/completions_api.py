@@ -7,21 +7,30 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from services.common.errors import http_status_of
 from services.gateway import openai_format as fmt
 from services.gateway.frontend import RunStats
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.openapi_doc import (
+    RUN_ERRORS,
+    CompletionResponse,
+    answers,
+    request_body,
+)
 from services.gateway.protocol import CompletionRequest, completion_prompts, error_body
-from services.gateway.request_io import merge, parse, request_span, run_guarded
+from services.gateway.request_io import HeldStream, merge, parse, request_span, run_guarded
 from services.gateway.structured_request import structured_output
 
 ROUTE = "/v1/completions"
 
 
 def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
-    @app.post(ROUTE)
+    @app.post(
+        ROUTE,
+        openapi_extra=request_body(CompletionRequest),
+        responses=answers(CompletionResponse, *RUN_ERRORS, stream=True),
+    )
     async def _completions(request: Request):
         tenant = auth.tenant(request.headers.get("authorization"))
         req = await parse(request, CompletionRequest)
@@ -43,6 +52,7 @@ def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
         echoes = [
             "" if not req.echo else p if isinstance(p, str) else core.detokenize(p) for p in prompts
         ]
+        ticket = await core.admission.admit(tenant, preps)  # the last check: then it runs
         if not req.stream:
 
             async def whole():
@@ -57,7 +67,7 @@ def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
                     r.text = echoes[i // n] + r.text
                 return fmt.completion_response(request_id, req.model, results, stats)
 
-            return await run_guarded(request, whole())
+            return await run_guarded(request, whole(), ticket)
 
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
@@ -94,4 +104,4 @@ def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
                     yield fmt.sse(error_body(str(exc), err_type, status))
             yield fmt.sse("[DONE]")
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return HeldStream(stream(), ticket)

@@ -20,8 +20,16 @@ class GatewayConfig(TlsSettings):
     api_keys: str | None = setting(
         None,
         "file of API keys ('key tenant' per line, or JSON {key: tenant}); "
-        "YINIAN_API_KEYS='key:tenant,...' adds more",
+        "YINIAN_API_KEYS='key:tenant,...' adds more; read again on SIGHUP",
         env="YINIAN_API_KEYS_FILE",
+    )
+    tenant_limits: str | None = setting(
+        None,
+        "JSON file of per-tenant limits: requests and tokens per minute, requests at once, "
+        "priority ('*' for every other tenant); reloaded with the keys on SIGHUP",
+    )
+    redis_url: str = setting(
+        "", "Redis that gateways share tenant limits through (empty: limits per gateway)"
     )
     allow_unauthenticated: bool = setting(
         False, "serve without API keys on a non-loopback address", env=""
@@ -40,6 +48,14 @@ class GatewayConfig(TlsSettings):
     max_migrations: int = setting(
         2, "times a stream may move to another worker when its worker dies"
     )
+    max_body_bytes: int = setting(
+        16 << 20,
+        "largest request body read (413 above it, before reading it); also the largest "
+        "gRPC request",
+    )
+    body_timeout: float = setting(
+        30.0, "seconds a client may take to send its request body (408 after)"
+    )
     tool_call_parser: str = setting(
         "",
         "how the model writes tool calls (default: read from its chat template)",
@@ -53,7 +69,9 @@ class GatewayConfig(TlsSettings):
             raise ValueError("max_migrations must be >= 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        for name in ("request_timeout", "idle_timeout"):
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        for name in ("request_timeout", "idle_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         TlsSettings.__post_init__(self)

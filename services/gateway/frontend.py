@@ -4,7 +4,8 @@ It asks the scheduler where to run, streams token ids from that worker,
 detokenizes each output incrementally and applies stop strings (the worker
 sees none: it stops on tokens, the gateway on text, and cancels the worker
 when every output has stopped). A worker that fails before its first token
-is replaced by another placement.
+is replaced by another placement. Every run ends with each output's finish
+reason or an exception: a worker stream that closes early is a failed worker.
 """
 
 from __future__ import annotations
@@ -202,6 +203,12 @@ class Frontend:
                         yield event
                     if all(c.finished for c in choices):
                         return  # leaving the stream cancels the worker's request
+            # A stream that closes with outputs unfinished has lost them (a worker
+            # that broke its contract, a proxy that cut the call): never a silent end,
+            # it is retried or migrated like a dead worker's, or ends in an error.
+            raise WorkerUnavailable(
+                f"worker {placement.worker_id} ended the stream before the last token"
+            )
         finally:
             if detok_span is not None:
                 detok_span.set_attribute("gen_ai.usage.output_tokens", stats.completion_tokens)

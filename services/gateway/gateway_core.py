@@ -1,6 +1,6 @@
 """What REST and gRPC share: the served model, prompt tokenization, request
-preparation with its checks, running a request with latency metrics, and
-collecting a whole (non-streamed) result."""
+preparation with its checks, admission by tenant limits, running a request with
+latency metrics, and collecting a whole (non-streamed) result."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from basis.sampling_params import SamplingParams
 from basis.tokenizer import Tokenizer
 from services.common import metrics
 from services.common.errors import InvalidRequest, NotFound
+from services.gateway.admission import Admission
 from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
-from services.gateway.protocol import check_context
+from services.gateway.protocol import check_bounds, check_context
 from services.gateway.public_prefixes import load_public_prefixes, public_tokens
 from services.gateway.tool_calls import format_for
 
@@ -45,6 +46,7 @@ class GatewayCore:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = self.model_config.context_length(max_model_len)
         self.frontend = frontend
+        self.admission = Admission()  # no tenant limits unless the app sets them
         self.public_prefixes = load_public_prefixes(
             public_prefixes, self.tokenizer, self.model_config.check_token_ids
         )
@@ -100,6 +102,7 @@ class GatewayCore:
         """`make_params(max_tokens)` builds the SamplingParams once max_tokens is known."""
         max_tokens = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         params: SamplingParams = make_params(max_tokens)
+        check_bounds(params)
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none")
         return Prepared(

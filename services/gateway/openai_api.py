@@ -10,15 +10,17 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from services.common.errors import NotFound, http_status_of
+from services.common.errors import NotFound
 from services.gateway.auth import Authenticator
 from services.gateway.chat_api import add_chat_route
 from services.gateway.completions_api import add_completions_route
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.http_guard import HttpGuard
+from services.gateway.openapi_doc import ModelCard, ModelList, Status, answers, install
 from services.gateway.protocol import error_body
 from services.gateway.tokenize_api import add_tokenize_routes
 
@@ -26,28 +28,17 @@ logger = logging.getLogger(__name__)
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    status, err_type = http_status_of(exc)
-    if status >= 500 and status != 503:
-        logger.exception("request failed", exc_info=exc)
-    headers = {}
-    if hasattr(exc, "retry_after"):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    return JSONResponse(
-        error_body(str(exc) or type(exc).__name__, err_type, status, getattr(exc, "param", None)),
-        status_code=status,
-        headers=headers,
-    )
-
-
 def create_app(
-    core: GatewayCore, auth: Authenticator, health: Callable[[], Awaitable[bool]]
+    core: GatewayCore,
+    auth: Authenticator,
+    health: Callable[[], Awaitable[bool]],
+    max_body_bytes: int = 16 << 20,
+    body_timeout: float = 30.0,
 ) -> FastAPI:
     app = FastAPI(title="yinian gateway")
-
-    @app.exception_handler(Exception)
-    async def _errors(request, exc):
-        return error_response(exc)
+    # Route errors become responses here (http_guard.py), never exceptions that
+    # reach uvicorn: those close the client's keep-alive connection.
+    app.add_middleware(HttpGuard, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
 
     @app.exception_handler(HTTPException)
     async def _http_errors(request, exc: HTTPException):
@@ -60,19 +51,23 @@ def create_app(
             headers=getattr(exc, "headers", None),
         )
 
-    @app.get("/health/live")
+    install(app, core.model_name)  # the request bodies in /openapi.json
+
+    @app.get("/health/live", responses=answers(Status))
     async def _live():  # the process answers; readiness is /health/ready
         return {"status": "ok"}
 
-    @app.get("/health")
-    @app.get("/health/ready")
+    readiness = {200: {"model": Status}, 503: {"model": Status, "description": "not ready"}}
+
+    @app.get("/health", responses=readiness)
+    @app.get("/health/ready", responses=readiness)
     async def _health():
         ready = await health()
         return JSONResponse(
             {"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -85,12 +80,12 @@ def create_app(
             "max_model_len": core.max_model_len,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answers(ModelList, 401))
     async def _models(request: Request):
         auth.tenant(request.headers.get("authorization"))
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=answers(ModelCard, 401, 404))
     async def _model(request: Request, model_id: str):
         auth.tenant(request.headers.get("authorization"))
         if model_id != core.model_name:

@@ -10,7 +10,7 @@ accepted only with the value that asks for nothing.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,18 @@ UNSUPPORTED = {
     "moderation": "moderation is not supported",
     "suffix": "suffixes (fill-in-the-middle) are not supported",
 }
+
+
+# Bounds on what one request may ask for, so that no request occupies the mesh or the
+# gateway without end; each is in the published schema (/openapi.json).
+MAX_N = 128  # OpenAI's
+MAX_PROMPTS = 128  # prompts in one completions request
+MAX_STOP = 64  # stop strings
+MAX_STOP_CHARS = 1024  # characters of one stop string (the stream holds back as many)
+MAX_TOKEN_LIST = 1024  # stop_token_ids, logit_bias entries
+MAX_TOOLS = 128  # OpenAI's
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StrictBody(BaseModel):
@@ -69,16 +81,16 @@ class StructuredOutputsParams(StrictBody):
 
 class SamplingFields(StrictBody):
     model: str
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_TOKEN_LIST)] | None = None
     user: str | None = None  # recorded on the request's trace
     # vLLM's extra sampling fields
     top_k: int | None = None
@@ -86,7 +98,7 @@ class SamplingFields(StrictBody):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -153,9 +165,14 @@ class SamplingFields(StrictBody):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | list[int]
+        | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -168,8 +185,6 @@ class CompletionRequest(SamplingFields):
             )
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("echo with logprobs is not supported", param="echo")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
-            raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -193,6 +208,17 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
             f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
         )
     return max_tokens
+
+
+def check_bounds(params: SamplingParams) -> None:
+    """The bounds above, for requests that did not come through these bodies (gRPC)."""
+    bounds = [("n", params.n, MAX_N), ("stop", len(params.stop), MAX_STOP),
+              ("stop_token_ids", len(params.stop_token_ids), MAX_TOKEN_LIST),
+              ("logit_bias", len(params.logit_bias), MAX_TOKEN_LIST),
+              ("stop", max(map(len, params.stop), default=0), MAX_STOP_CHARS)]  # fmt: skip
+    for name, value, most in bounds:
+        if value > most:
+            raise InvalidRequest(f"{name}: {value} is over the limit of {most}", param=name)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

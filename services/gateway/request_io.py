@@ -1,37 +1,40 @@
-"""What every REST route does around its own work: parse and check the body,
-run a non-streamed request (cancelled if the client leaves), merge several
-streams, and open the request's span with what the client said about it."""
+"""What every REST route does around its own work: parse and check the body (read
+by json_body.py), run a non-streamed request (cancelled if the client leaves) or
+stream one (either holding its admission until it ends), merge several streams,
+and open the request's span with what the client said about it."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
 
 from services.common.errors import InvalidRequest
 from services.common.spans import request_attributes
 from services.common.telemetry import tracer
+from services.gateway.admission import Ticket
 from services.gateway.frontend import Prepared
+from services.gateway.json_body import decode_json
 
 _tracer = tracer("yinian.gateway")
 
 
 async def parse(request: Request, model: type[BaseModel]):
     """The body as `model`, checked (its `check()`); InvalidRequest naming the field."""
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    body = decode_json(await request.body())
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        # Of a union's errors, the one about the value's own type says what is wrong
+        # ("at most 64 items"), not that it is not one of the other types.
+        errors = exc.errors()
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         where = ".".join(str(p) for p in first["loc"])
         param = str(first["loc"][0]) if first["loc"] else None
         if first["type"] == "extra_forbidden":
@@ -43,14 +46,36 @@ async def parse(request: Request, model: type[BaseModel]):
     return parsed
 
 
-async def run_guarded(request: Request, coro):
-    """Runs a non-streamed request, cancelling it if the client goes away."""
+async def run_guarded(request: Request, coro, ticket: Ticket):
+    """Runs a non-streamed request, cancelling it if the client goes away; its
+    admission ticket is released when it ends."""
     task = asyncio.create_task(coro)
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-    return task.result()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        return task.result()
+    finally:
+        task.cancel()
+        await ticket.release()
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer (server-sent events) that releases its admission ticket
+    when it ends, however it ends (its last chunk, an error, a client that left),
+    and closes its generator then."""
+
+    def __init__(self, content, ticket: Ticket):
+        super().__init__(content, media_type="text/event-stream")
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.ticket.release()
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -96,8 +96,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _unary(self, request, context, chat: bool):
         prep, span = self._prepare(request, context, chat)
         stats = RunStats()
-        with span:
-            results = await self.core.collect(prep, stats)
+        ticket = await self.core.admission.admit(prep.tenant, [prep])
+        try:
+            with span:
+                results = await self.core.collect(prep, stats)
+        finally:
+            await ticket.release()
         return inference_pb2.CompletionResponse(
             id=prep.request_id,
             model=request.model,
@@ -118,17 +122,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _stream(self, request, context, chat: bool):
         prep, span = self._prepare(request, context, chat)
         stats = RunStats()
-        with span:
-            async for ev in self.core.events(prep, stats):
-                yield inference_pb2.CompletionChunk(
-                    id=prep.request_id,
-                    model=request.model,
-                    index=ev.index,
-                    text=ev.text,
-                    token_ids=ev.token_ids,
-                    finish_reason=finish_to_proto(ev.finish_reason),
-                    logprobs=_logprobs(ev.logprobs),
-                )
+        ticket = await self.core.admission.admit(prep.tenant, [prep])
+        try:
+            with span:
+                async for ev in self.core.events(prep, stats):
+                    yield inference_pb2.CompletionChunk(
+                        id=prep.request_id,
+                        model=request.model,
+                        index=ev.index,
+                        text=ev.text,
+                        token_ids=ev.token_ids,
+                        finish_reason=finish_to_proto(ev.finish_reason),
+                        logprobs=_logprobs(ev.logprobs),
+                    )
+        finally:
+            await ticket.release()
         yield inference_pb2.CompletionChunk(
             id=prep.request_id, model=request.model, usage=_usage(stats)
         )

@@ -8,6 +8,12 @@ from fastapi import FastAPI, Request
 from services.common.errors import InvalidRequest
 from services.gateway.chat_protocol import ChatMessage, ToolDefinition
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.openapi_doc import (
+    DetokenizeResponse,
+    TokenizeResponse,
+    answers,
+    request_body,
+)
 from services.gateway.protocol import StrictBody
 from services.gateway.request_io import parse
 
@@ -32,7 +38,13 @@ def add_tokenize_routes(app: FastAPI, core: GatewayCore, auth) -> None:
         if req.model is not None:
             core.check_model(req.model)
 
-    @app.post("/tokenize")
+    errors = (400, 401, 404, 408, 413)
+
+    @app.post(
+        "/tokenize",
+        openapi_extra=request_body(TokenizeRequest),
+        responses=answers(TokenizeResponse, *errors),
+    )
     async def _tokenize(request: Request):
         auth.tenant(request.headers.get("authorization"))
         req = await parse(request, TokenizeRequest)
@@ -60,7 +72,11 @@ def add_tokenize_routes(app: FastAPI, core: GatewayCore, auth) -> None:
             "token_strs": strs,
         }
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        openapi_extra=request_body(DetokenizeRequest),
+        responses=answers(DetokenizeResponse, *errors),
+    )
     async def _detokenize(request: Request):
         auth.tenant(request.headers.get("authorization"))
         req = await parse(request, DetokenizeRequest)
