@@ -4,14 +4,18 @@ in turn, with `yinian up`'s supervisor restarting it, and record what clients sa
 The mesh: tiny-llama on the CPU; one colocated worker, one prefill and two decode
 workers (every decode request prefilled remotely), the scheduler, two gateways,
 NATS, Redis and the KV store. A clean round first gives each prompt's text; then
-one round per service. Per service: streams hung (goal 0), corrupted (goal 0:
-every completed stream equals the clean run), failed (goal <= 1%), and seconds
-from the kill until new requests succeed again (goal < 10). Streams through a
-killed gateway end with its connections; they are counted apart, as lost with
-it (a client retries them on the other gateway, which the probe shows serving).
+one round per service. Expert services get a mesh of their own: tiny-moe, one
+colocated worker whose routed experts run on two expert services (with
+redundant slots, so most experts have a replica on the other service).
+Per service: streams hung (goal 0), corrupted (goal 0: every completed stream
+equals the clean run), failed (goal <= 1%), and seconds from the kill until new
+requests succeed again (goal < 10). Streams through a killed gateway end with
+its connections; they are counted apart, as lost with it (a client retries them
+on the other gateway, which the probe shows serving).
 
 Usage: python -m bench.reliability.chaos [--streams 50] [--max-tokens 1000]
-           [--targets worker-0 scheduler ...] [--out bench/results/chaos.json]
+           [--targets worker-0 scheduler ...] [--expert-targets expert-0]
+           [--out bench/results/chaos.json]
 Writes the JSON and, beside it, the table (chaos.md).
 """
 
@@ -19,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench.reliability.rounds import Fault, Load, RoundResult, run_round
+from bench.reliability.rounds import Fault, Load, RoundResult, run_round, write_results
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import list_workers
@@ -39,12 +42,25 @@ GOALS = {"hung": 0, "corrupted": 0, "failed_fraction": 0.01, "recovery_s": 10.0}
 KILL_AFTER_S = {"prefill-0": 0.3}
 
 
-def tiny_model(folder: Path) -> Path:
+EXPERT_TARGETS = ("expert-0",)
+
+
+def tiny_model(folder: Path, preset: str = "tiny-llama") -> Path:
     from engine.make_model import preset_config, write_model
 
     if not (folder / "config.json").is_file():
-        write_model(folder, preset_config("tiny-llama"), seed=1)
+        write_model(folder, preset_config(preset), seed=1)
     return folder
+
+
+def expert_spec(model: Path, **overrides) -> MeshSpec:
+    """One colocated worker, its routed experts on two expert services; 4 redundant
+    slots per layer over tiny-moe's 8 experts."""
+    values = dict(model=str(model), workers=1, experts=2, gateways=1, port=free_port(),
+                  engine_argv=["--device", "cpu"],
+                  scheduler_argv=["--expert-redundant-slots", "4"])  # fmt: skip
+    values.update(overrides)
+    return MeshSpec(**values)
 
 
 def chaos_spec(model: Path, **overrides) -> MeshSpec:
@@ -163,23 +179,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--streams", type=int, default=50, help="concurrent streams per round")
     parser.add_argument("--max-tokens", type=int, default=1000, help="tokens per stream")
     parser.add_argument("--targets", nargs="*", default=list(TARGETS), help="services to kill")
+    parser.add_argument("--expert-targets", nargs="*", default=list(EXPERT_TARGETS),
+                        help="expert services to kill (in the MoE mesh)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        model = tiny_model(Path(tmp) / "tiny-llama")
-        mesh = Mesh(chaos_spec(model, log_dir=args.logs or Path(tmp) / "logs"))
-        with mesh:
-            load = Load(mesh.urls, "tiny-llama", prompts(args.streams), args.max_tokens)
-            results = drill(mesh, args.targets, load)
+        results = {"rounds": {}}
+        if args.targets:
+            model = tiny_model(Path(tmp) / "tiny-llama")
+            with Mesh(chaos_spec(model, log_dir=args.logs or Path(tmp) / "logs")) as mesh:
+                load = Load(mesh.urls, "tiny-llama", prompts(args.streams), args.max_tokens)
+                results = drill(mesh, args.targets, load)
+        if args.expert_targets:
+            model = tiny_model(Path(tmp) / "tiny-moe", "tiny-moe")
+            with Mesh(expert_spec(model, log_dir=args.logs or Path(tmp) / "moe-logs")) as moe:
+                load = Load(moe.urls, "tiny-moe", prompts(args.streams), args.max_tokens)
+                experts = drill(moe, args.expert_targets, load)
+            results["expert_clean"] = experts["clean"]
+            results["rounds"].update(experts["rounds"])
     results["setup"] = {"streams": args.streams, "max_tokens": args.max_tokens,
                         "mesh": "tiny-llama on CPU: 1 colocated, 1 prefill, 2 decode workers, "
                                 "scheduler, 2 gateways, NATS, Redis, KV store",
+                        "expert_mesh": "tiny-moe on CPU: 1 colocated worker, 2 expert "
+                                       "services (4 redundant slots), scheduler, gateway, NATS",
                         "goals": GOALS}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    args.out.with_suffix(".md").write_text(table(results))
-    print(table(results))
+    write_results(args.out, results, table(results))
     return results
 
 

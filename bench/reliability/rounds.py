@@ -14,9 +14,11 @@ succeeded after it).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -152,3 +154,11 @@ async def run_round(
             out.completed += 1
     out.seconds = time.monotonic() - begin
     return out
+
+
+def write_results(out: Path, results: dict, table: str) -> None:
+    """Writes a drill's JSON to `out` and its table beside it (.md), and prints the table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    out.with_suffix(".md").write_text(table)
+    print(table)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -30,6 +29,7 @@ import httpx
 
 from bench.loadgen.client import RequestInput, send_request
 from bench.reliability.chaos import tiny_model
+from bench.reliability.rounds import write_results
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
@@ -180,10 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
               "requests": counts, "services": {n: growth(samples, n, warmup_at) for n in names},
               "samples": samples}  # fmt: skip
     result["met"] = all(g["met"] for g in result["services"].values())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+    write_results(args.out, result, table(result))
     print(f"requests: {counts['ok']} ok, {counts['errors']} errors, "
           f"{counts['left_early']} left early")  # fmt: skip
     return result
