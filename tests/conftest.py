@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
     fix_interpreter()
 
 import pytest  # noqa: E402
-from hf_oracle import ARCH_CONFIGS  # noqa: E402
 from guarded_mesh import guarded_mesh_fixture  # noqa: E402, F401 - one mesh for the session
+from hf_oracle import ARCH_CONFIGS  # noqa: E402
 from openai_mesh import default_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 
 from engine.make_model import TINY_PRESETS, preset_config, write_model  # noqa: E402

@@ -43,6 +43,10 @@ HOSTILE = [
     ("10000 prompts", "/v1/completions", {**VALID, "prompt": ["hi"] * 10000}, 400),
     ("1000 tools", "/v1/chat/completions", {**CHAT, "tools": [TOOL] * 1000}, 400),
     ("20 MB body", "/v1/completions", b"x" * (20 << 20), 413),
+    ("seed past int64", "/v1/completions", {**VALID, "seed": 10**30}, 400),
+    ("streamed, seed 1e300", "/v1/completions", {**VALID, "seed": 1e300, "stream": True}, 400),
+    ("priority past int32", "/v1/chat/completions", {**CHAT, "priority": 2**40}, 400),
+    ("stop token id past int32", "/v1/completions", {**VALID, "stop_token_ids": [2**40]}, 400),
 ]  # fmt: skip
 
 

@@ -111,7 +111,9 @@ def test_limits_file(tmp_path):
     path.write_text(json.dumps({"*": {"max_concurrent": 3}, "a": {"requests_per_minute": 6}}))
     table = load_limits(str(path))
     assert table.of("a").requests_per_minute == 6 and table.of("b").max_concurrent == 3
-    for bad in ({"a": {"requests_per_minute": 0}}, {"a": {"rpm": 5}}, {"a": {"burst": 2}}):
+    for bad in ({"a": {"requests_per_minute": 0}}, {"a": {"rpm": 5}}, {"a": {"burst": 2}},
+                {"a": {"requests_per_minute": True}}, {"a": {"tokens_per_minute": 10**400}},
+                {"a": {"requests_per_minute": 60, "burst": 0.5}}):  # fmt: skip
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="'a'"):
             load_limits(str(path))
@@ -140,3 +142,68 @@ def test_admission_applies_the_tenants_priority_and_refuses_with_retry_after(tmp
 
     # lower runs first: a tenant cannot ask for more urgency than its own
     assert asyncio.run(run()) == (10, 20, pytest.approx(1.0, abs=0.1))
+
+
+def test_a_request_larger_than_the_tenants_token_budget_is_refused_as_too_large(tmp_path):
+    from basis.sampling_params import SamplingParams
+    from services.common.errors import InvalidRequest
+    from services.gateway.admission import Admission
+    from services.gateway.frontend import Prepared
+
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"t": {"tokens_per_minute": 1000}}))
+    admission = Admission(str(path))
+    huge = Prepared("r", [1, 2, 3], SamplingParams(max_tokens=500, n=2), "t", 0)
+    with pytest.raises(InvalidRequest, match="1003 tokens") as info:
+        asyncio.run(admission.admit("t", [huge]))
+    assert info.value.param == "max_tokens"
+    fits = Prepared("r2", [1, 2, 3], SamplingParams(max_tokens=400, n=2), "t", 0)
+    assert asyncio.run(admission.admit("t", [fits])) is not None
+
+
+def test_retry_after_is_rounded_up_to_whole_seconds():
+    from services.common.errors import RateLimited
+    from services.gateway.http_guard import error_response
+
+    for wait, header in ((0.2, "1"), (1.2, "2"), (2.5, "3"), (3.0, "3")):
+        response = error_response(RateLimited("slow down", retry_after=wait))
+        assert (response.status_code, response.headers["retry-after"]) == (429, header)
+
+
+def test_an_emptied_key_file_keeps_the_keys_in_force(tmp_path):
+    from services.common.errors import Unauthenticated
+    from services.gateway.auth import Authenticator, load_keys
+
+    path = tmp_path / "keys.txt"
+    path.write_text("sk-one alpha\n")
+    auth = Authenticator(load_keys(str(path)), str(path))
+    for emptied in ("", "# all keys removed\n"):
+        path.write_text(emptied)  # an editor's half-written file looks the same
+        auth.reload()
+        assert auth.enabled
+        with pytest.raises(Unauthenticated):
+            auth.tenant(None)
+        assert auth.tenant("Bearer sk-one") == "alpha"
+
+
+def test_a_failed_part_of_a_multi_prompt_request_stops_the_others():
+    from services.gateway.request_io import gather_or_cancel
+
+    stopped = []
+
+    async def long(i):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            stopped.append(i)
+
+    async def failing():
+        await asyncio.sleep(0.01)
+        raise ValueError("worker lost")
+
+    async def run():
+        with pytest.raises(ValueError, match="worker lost"):
+            await gather_or_cancel([long(0), failing(), long(1)])
+        return sorted(stopped)  # as the error surfaced (before the event loop closes)
+
+    assert asyncio.run(run()) == [0, 1]

@@ -42,6 +42,11 @@ def add_up_parser(sub) -> None:
     p.add_argument("--nats-url", help="use this NATS instead of starting one")
     p.add_argument("--api-keys", help="API key file for the gateway")
     p.add_argument(
+        "--tenant-limits",
+        help="JSON file of per-tenant limits for the gateway: requests and tokens per minute, "
+        "requests at once, priority",
+    )
+    p.add_argument(
         "--allow-unauthenticated",
         action="store_true",
         help="serve without API keys on a non-loopback --host",
@@ -147,6 +152,8 @@ def run_up(args) -> int:
     gateway_argv = []
     if args.api_keys:
         gateway_argv += ["--api-keys", args.api_keys]
+    if args.tenant_limits:
+        gateway_argv += ["--tenant-limits", args.tenant_limits]
     if args.allow_unauthenticated:
         gateway_argv.append("--allow-unauthenticated")
     if args.public_prefixes:

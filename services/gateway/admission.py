@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from services.common import metrics
-from services.common.errors import RateLimited
+from services.common.errors import InvalidRequest, RateLimited
 from services.gateway.frontend import Prepared
 from services.gateway.rate_limiter import LocalLimiter, RedisLimiter
 from services.gateway.tenant_limits import LimitTable, load_limits
@@ -52,6 +52,14 @@ class Admission:
         if not limits.limited:
             return Ticket(None, tenant, "")
         tokens = sum(len(p.prompt_ids) + p.params.max_tokens * p.params.n for p in preps)
+        if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
+            # it could never fit the bucket: waiting would not help
+            raise InvalidRequest(
+                f"the request needs {tokens} tokens (prompt + max_tokens x n), more than "
+                f"the tenant's limit of {limits.tokens_per_minute:g} tokens per minute; "
+                "lower max_tokens or n",
+                param="max_tokens",
+            )
         request_id = preps[0].request_id
         refusal = await self.limiter.acquire(tenant, limits, tokens, request_id, self.lease)
         if refusal is not None:

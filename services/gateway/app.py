@@ -70,7 +70,10 @@ async def run(config: GatewayConfig) -> None:
         max_migrations=config.max_migrations,
     )
     # a concurrency slot in Redis outlives the longest request (a dead gateway's expire)
-    core.admission = Admission(config.tenant_limits, config.redis_url, config.request_timeout + 30)
+    # a slot's lease outlives the longest request: a worker call may be retried on
+    # another worker once per migration, each call with its own deadline
+    lease = config.request_timeout * (config.max_migrations + 1) + 30
+    core.admission = Admission(config.tenant_limits, config.redis_url, lease)
     health = HealthProbe(scheduler)
     app = create_app(core, auth, health, config.max_body_bytes, config.body_timeout)
 

@@ -75,6 +75,10 @@ class Authenticator:
         except (OSError, ValueError) as exc:
             logger.error("API keys not reloaded: %s", type(exc).__name__)
             return
+        if self._tenants and not keys:  # an emptied (or half-written) file
+            logger.error("API keys not reloaded: the file has no keys, and an empty "
+                         "file would turn authentication off")  # fmt: skip
+            return
         self._tenants = {digest(k): t for k, t in keys.items()}
         logger.warning("API keys reloaded: %d keys", len(keys))
 

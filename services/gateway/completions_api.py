@@ -4,8 +4,6 @@ response_format and guided_* constrain the output."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI, Request
 
 from services.common.errors import http_status_of
@@ -19,7 +17,14 @@ from services.gateway.openapi_doc import (
     request_body,
 )
 from services.gateway.protocol import CompletionRequest, completion_prompts, error_body
-from services.gateway.request_io import HeldStream, merge, parse, request_span, run_guarded
+from services.gateway.request_io import (
+    HeldStream,
+    gather_or_cancel,
+    merge,
+    parse,
+    request_span,
+    run_guarded,
+)
 from services.gateway.structured_request import structured_output
 
 ROUTE = "/v1/completions"
@@ -58,9 +63,7 @@ def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
             async def whole():
                 stats = [RunStats() for _ in preps]
                 with request_span(core, ROUTE, preps[0], tenant, req):
-                    parts = await asyncio.gather(
-                        *(core.collect(p, s) for p, s in zip(preps, stats))
-                    )
+                    parts = await gather_or_cancel(core.collect(p, s) for p, s in zip(preps, stats))
                 results = [r for part in parts for r in part]
                 for i, r in enumerate(results):
                     r.index = i

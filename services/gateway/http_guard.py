@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from services.common.errors import PayloadTooLarge, RequestTimeout, http_status_of
 from services.gateway.protocol import error_body
@@ -30,7 +32,7 @@ def error_response(exc: Exception) -> JSONResponse:
         logger.exception("request failed", exc_info=exc)
     headers = {}
     if hasattr(exc, "retry_after"):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return JSONResponse(
         error_body(str(exc) or type(exc).__name__, err_type, status, getattr(exc, "param", None)),
         status_code=status,
@@ -103,6 +105,8 @@ class HttpGuard:
         body = _Body(receive, self.max_body_bytes, self.body_timeout)
         try:
             await self.app(scope, body.receive, sending)
+        except ClientDisconnect:  # the client left while sending: nobody to answer
+            return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a response
             if started:  # too late for a status: the response ends here, cut short
                 logger.warning("response cut short by %r", exc)

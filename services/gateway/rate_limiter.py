@@ -3,7 +3,8 @@ Redis so that every gateway draws on one budget per tenant.
 
 A bucket holds up to `capacity` and refills at `rate` per second; a request takes 1
 from the tenant's request bucket and its tokens from the token bucket (a request
-larger than the bucket waits for a full one and empties it). A concurrency slot is
+larger than the bucket waits for a full one and empties it; admission refuses
+such requests before they get here). A concurrency slot is
 held from admission to the request's end; in Redis it is a lease that outlives the
 longest request, so slots of a gateway that died free themselves. The check and the
 take are one step: atomic in a Lua script, with Redis's clock for every gateway.

@@ -61,6 +61,18 @@ async def run_guarded(request: Request, coro, ticket: Ticket):
         await ticket.release()
 
 
+async def gather_or_cancel(coros) -> list:
+    """Runs the coroutines together; the first failure cancels the others (and waits
+    for them to stop) before it is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class HeldStream(StreamingResponse):
     """A streamed answer (server-sent events) that releases its admission ticket
     when it ends, however it ends (its last chunk, an error, a client that left),
@@ -74,8 +86,10 @@ class HeldStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
-            await self.ticket.release()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                await self.ticket.release()
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

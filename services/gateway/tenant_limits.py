@@ -20,6 +20,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 
+def _finite_positive(value) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:  # an integer past a float's range
+        return False
+
+
 @dataclass(slots=True, frozen=True)
 class TenantLimits:
     requests_per_minute: float | None = None
@@ -31,12 +40,14 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "burst", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            if value is None:
+                continue
+            if not _finite_positive(value):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.burst is not None and self.requests_per_minute is None:
             raise ValueError("burst needs requests_per_minute")
+        if self.burst is not None and self.burst < 1:
+            raise ValueError(f"burst must be >= 1 (a request takes 1), got {self.burst!r}")
         for name in ("max_concurrent", "priority"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
