@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 
 from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.channels import OPTIONS
+from services.common.grpc_streams import read_stream
 from services.common.kv_checksum import block_checksum
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
@@ -83,13 +85,14 @@ class KvStoreClient:
         out: list[tuple[int, int, bytes]] = []
         request = kvstore_pb2.GetRequest(tenant=tenant, fingerprint=self.model, block_hashes=hashes)
         try:
-            stream = self.stub.Get(request, timeout=self.timeout, metadata=grpc_metadata())
-            async for block in stream:
-                want = hashes[len(out)] if len(out) < len(hashes) else None
-                if block.block_hash != want or block_checksum(block.data) != block.checksum:
-                    logger.warning("KV store sent a block that fails verification; dropped")
-                    break
-                out.append((block.block_hash, block.parent_hash, block.data))
+            call = self.stub.Get(request, timeout=self.timeout, metadata=grpc_metadata())
+            async with aclosing(read_stream(call)) as blocks:
+                async for block in blocks:
+                    want = hashes[len(out)] if len(out) < len(hashes) else None
+                    if block.block_hash != want or block_checksum(block.data) != block.checksum:
+                        logger.warning("KV store sent a block that fails verification; dropped")
+                        break
+                    out.append((block.block_hash, block.parent_hash, block.data))
         except grpc.RpcError as exc:
             self._failed("get", exc)
         return out

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import grpc
 
 from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import WorkerChannels
 from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
+from services.common.grpc_streams import read_stream
 from services.common.handoff import PrefillResult, result_from_chunk
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles
@@ -75,13 +78,15 @@ class PrefillClient:
         )
         done = None
         try:
-            async for chunk in self._prefill(address).Prefill(
+            call = self._prefill(address).Prefill(
                 request, timeout=timeout, metadata=grpc_metadata()
-            ):
-                if chunk.error:
-                    raise RuntimeError(chunk.error)
-                if chunk.done:
-                    done = chunk
+            )
+            async with aclosing(read_stream(call)) as chunks:
+                async for chunk in chunks:
+                    if chunk.error:
+                        raise RuntimeError(chunk.error)
+                    if chunk.done:
+                        done = chunk
         except grpc.RpcError as exc:
             self.forget(address)
             raise from_grpc_error(exc) from exc

@@ -3,14 +3,13 @@ Trace context rides in the call metadata."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.channels import OPTIONS as _OPTIONS
 from services.common.channels import WorkerChannels
 from services.common.errors import DeadlineExceeded, WorkerUnavailable, from_grpc_error
+from services.common.grpc_streams import StreamIdle, read_stream
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
 
@@ -67,22 +66,16 @@ class WorkerPool(WorkerChannels):
         self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
     ):
         """Streams the worker's chunks. A broken or silent worker becomes a
-        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call,
-        which aborts the request on the worker."""
+        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call
+        (once no read is in flight), which aborts the request on the worker."""
         stub = self.stub(address, worker_pb2_grpc.DecodeStub)
         call = stub.Generate(request, timeout=timeout, metadata=grpc_metadata())
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(call.read(), timeout=idle_timeout)
-                except asyncio.TimeoutError as exc:
-                    raise DeadlineExceeded(
-                        f"worker {address} sent nothing for {idle_timeout:.0f} s"
-                    ) from exc
-                except grpc.RpcError as exc:
-                    raise from_grpc_error(exc) from exc
-                if chunk is grpc.aio.EOF:
-                    return
+            async for chunk in read_stream(call, idle_timeout):
                 yield chunk
-        finally:
-            call.cancel()
+        except StreamIdle as exc:
+            raise DeadlineExceeded(
+                f"worker {address} sent nothing for {idle_timeout:.0f} s"
+            ) from exc
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc) from exc

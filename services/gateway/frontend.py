@@ -182,6 +182,7 @@ class Frontend:
             attributes={"yinian.worker_id": placement.worker_id},
         )
         detok_span = None
+        chunks = None
         try:
             with trace.use_span(span, end_on_exit=False):
                 chunks = self.workers.generate(
@@ -210,6 +211,8 @@ class Frontend:
                 f"worker {placement.worker_id} ended the stream before the last token"
             )
         finally:
+            if chunks is not None:
+                await chunks.aclose()  # now, not when it is collected: ends the call
             if detok_span is not None:
                 detok_span.set_attribute("gen_ai.usage.output_tokens", stats.completion_tokens)
                 detok_span.end()
