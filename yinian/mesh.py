@@ -23,6 +23,7 @@ from services.common.processes import (
     free_port,
     nats_server_binary,
     redis_command,
+    redis_env,
     redis_server_binary,
     stop_processes,
 )
@@ -154,7 +155,7 @@ class Mesh:
         port = free_port()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         data_dir = tempfile.mkdtemp(prefix="yinian-redis-", dir=self.log_dir)
-        return self._add(launch("redis", redis_command(binary, port, data_dir), dict(os.environ),
+        return self._add(launch("redis", redis_command(binary, port, data_dir), redis_env(),
                                 self.log_dir / "redis.log",
                                 says_ready=lambda line: "Ready to accept" in line))  # fmt: skip
 

@@ -45,6 +45,7 @@ class RequestResult:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when reported
     start_time: float = 0.0  # time.perf_counter() when sent
     generated_text: str = ""
+    finished: bool = False  # a finish_reason or [DONE] arrived (even with no text)
 
 
 def build_payload(req: RequestInput) -> dict:
@@ -130,7 +131,14 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestR
         return result
     result.generated_text = "".join(text_parts)
     result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    if chunks == 0:
+    result.finished = done or finished
+    if chunks == 0 and result.finished:
+        # A complete answer whose tokens decode to no text: nothing to time.
+        result.error = (
+            f"the stream finished without any text ({result.output_tokens} tokens): "
+            "no first token to time"
+        )
+    elif chunks == 0:
         result.error = "the stream ended without any content: no first token to time"
     elif not (done or finished):
         result.error = "the stream ended before a finish_reason or [DONE]"

