@@ -54,6 +54,7 @@ EXPECTED = {
         "tp_scaling": CUDA_ONLY,
         "pp_throughput": CUDA_ONLY,
     },
+    "long_streams": {"ceilings": "ok", "colocated": "ok", "split": "ok"},
     "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "workload": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {

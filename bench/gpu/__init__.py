@@ -26,6 +26,7 @@ SCRIPTS = (
     "kvstore",
     "experts",
     "parallel",
+    "long_streams",
 )
 
 

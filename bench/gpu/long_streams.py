@@ -12,7 +12,7 @@ HTTP statuses, TTFT p50/p99 and the wall time; the ceilings of the same run are
 in `ceilings` (this run makes no speed claim).
 
 Usage: python -m bench.gpu.long_streams --out bench/results/long_streams.json
-           [--streams 64] [--rounds 2] [--skip colocated split]
+           [--streams N] [--rounds N] [--skip colocated split]
 Sections: ceilings, colocated, split. `--device cpu` is the dry run (tiny-llama).
 """
 
@@ -137,10 +137,13 @@ def mesh_rounds(spec: MeshSpec, model: str, w: dict, streams: int, rounds: int) 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--streams", type=int, help="concurrent streams (64; dry run 8)")
+    parser.add_argument("--rounds", type=int, help="streamed rounds per mesh (2; dry run 1)")
     args = parser.parse_args(argv)
-    w = GPU if args.device == "cuda" else DRY
+    cuda = args.device == "cuda"
+    w = GPU if cuda else DRY
+    args.streams = args.streams or (64 if cuda else 8)
+    args.rounds = args.rounds or (2 if cuda else 1)
     with Sections(args, script="long_streams", workload=w, streams=args.streams) as section:
         device = section.device
         section("ceilings", lambda: ceilings.measure(device))
