@@ -118,7 +118,10 @@ def test_streams_outlasting_the_drain_timeout_move_to_another_worker(model_dir):
         while running(mesh, "worker-0") == 0:  # some streams are on the worker to stop
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(1.0)  # and have answered (a stream moved before any output is a retry)
+        # and every stream has answered (a stream moved before any output is a retry)
+        while gateway_metric(mesh, "yinian:time_to_first_token_seconds_count") < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         worker = mesh.child("worker-0").proc
         stopped = time.monotonic()
         os.killpg(worker.pid, signal.SIGTERM)

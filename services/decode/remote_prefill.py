@@ -132,6 +132,11 @@ class RemotePrefill:
             )
             receiver.mark_done(transfer_id)
             await receiver.wait(transfer_id, self.timeout)
+        except asyncio.CancelledError:
+            # the caller left: nothing may land in blocks the engine frees now
+            if receiver is not None:
+                receiver.cancel(transfer_id)
+            raise
         except Exception as exc:
             if receiver is not None:
                 receiver.cancel(transfer_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from proto.yinian.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.convert import finish_to_proto, params_from_proto
+from services.common.grpc_streams import answer_at_once
 from services.common.telemetry import context_from_grpc
 from services.decode.decode_core import DecodeCore, TokenDelta
 from services.decode.tracing import GenerateTrace
@@ -36,6 +37,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.core = core
 
     async def Generate(self, request, context):
+        await answer_at_once(context)
         params = params_from_proto(request.params)
         trace = GenerateTrace(self.core.worker_id, request, params, context_from_grpc(context))
         finish = None

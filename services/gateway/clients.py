@@ -3,6 +3,8 @@ Trace context rides in the call metadata."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import grpc
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -71,8 +73,9 @@ class WorkerPool(WorkerChannels):
         stub = self.stub(address, worker_pb2_grpc.DecodeStub)
         call = stub.Generate(request, timeout=timeout, metadata=grpc_metadata())
         try:
-            async for chunk in read_stream(call, idle_timeout):
-                yield chunk
+            async with aclosing(read_stream(call, idle_timeout)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except StreamIdle as exc:
             raise DeadlineExceeded(
                 f"worker {address} sent nothing for {idle_timeout:.0f} s"

@@ -6,6 +6,7 @@ from opentelemetry import trace
 
 from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.errors import InvalidRequest
+from services.common.grpc_streams import answer_at_once
 from services.common.kv_index import GPU, HOST, SHARED
 from services.common.telemetry import context_from_grpc, tracer
 from services.kvstore.fingerprint import Fingerprint
@@ -88,6 +89,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             return out
 
     async def Get(self, request, context):
+        await answer_at_once(context)
         fingerprint = fingerprint_of(request)
         # Not made current: a streaming handler resumes between yields.
         span = _tracer.start_span(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import params_from_proto
+from services.common.grpc_streams import answer_at_once
 from services.common.handoff import result_to_chunk
 from services.prefill.prefill_core import PrefillCore
 from services.prefill.tracing import handoff_span
@@ -15,6 +16,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self.core = core
 
     async def Prefill(self, request, context):
+        await answer_at_once(context)
         params = params_from_proto(request.params)
         with handoff_span(request, context) as span:
             result = await self.core.prefill(
