@@ -28,7 +28,7 @@ import httpx
 from bench.gpu import ceilings, pd_mesh
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
-from bench.loadgen.client import RequestInput, send_request
+from bench.loadgen.client import RequestInput, hang_up_after, send_request
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
@@ -50,19 +50,6 @@ def split_spec(folder, device: str) -> MeshSpec:
     return pd_mesh.split_spec(folder, device, 1, "cuda_ipc,tcp" if cuda else "tcp", blocks)
 
 
-async def leave_after_three(client: httpx.AsyncClient, url: str, body: dict) -> str:
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return f"status {resp.status_code}"
-        events = 0
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                events += 1
-                if events >= 3:
-                    return "left"
-    return "ended before three events"
-
-
 async def one_round(url: str, model: str, w: dict, streams: int, seed: int, stream: bool):
     rng = random.Random(seed)
     prompts = [[rng.randrange(VOCAB) for _ in range(w["prompt"])] for _ in range(streams)]
@@ -76,7 +63,7 @@ async def one_round(url: str, model: str, w: dict, streams: int, seed: int, stre
             body = {"model": model, "prompt": prompts[i], "max_tokens": w["output"],
                     "stream": True, "ignore_eos": True}  # fmt: skip
             if stream and i % 4 == 3:
-                said = await leave_after_three(client, url, body)
+                said = await hang_up_after(client, f"{url}/v1/completions", body, events=3)
                 outcome["left" if said == "left" else "http_errors"] += 1
                 return
             req = RequestInput(f"{url}/v1/completions", model, prompts[i], w["prompt"],

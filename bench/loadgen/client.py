@@ -147,6 +147,21 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestR
     return result
 
 
+async def hang_up_after(client: httpx.AsyncClient, url: str, body: dict, events: int) -> str:
+    """A client that reads `events` events of a streamed completion and hangs up:
+    "left", "status N" when it was refused, or "ended early" when the stream ended first."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            return f"status {resp.status_code}"
+        seen = 0
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                seen += 1
+                if seen >= events:
+                    return "left"
+    return "ended early"
+
+
 def make_client(timeout_s: float, max_connections: int | None) -> httpx.AsyncClient:
     """One pooled client per run. The pool is sized so that requests never queue
     inside the client, where their wait would count as server latency."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen.client import RequestInput, send_request
+from bench.loadgen.client import RequestInput, hang_up_after, send_request
 from bench.reliability.chaos import tiny_model
 from bench.reliability.rounds import write_results
 from services.common.processes import free_port
@@ -80,17 +80,7 @@ async def leave_early(client: httpx.AsyncClient, url: str) -> None:
     """A client that reads a few events of a long stream and hangs up."""
     body = {"model": "tiny-llama", "prompt": "a long story", "max_tokens": 500,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        async for i, _ in _enumerate(resp.aiter_lines()):
-            if i >= 5:
-                return
-
-
-async def _enumerate(lines):
-    i = 0
-    async for line in lines:
-        yield i, line
-        i += 1
+    await hang_up_after(client, f"{url}/v1/completions", body, events=3)
 
 
 async def traffic(url: str, seconds: float, concurrency: int, counts: dict) -> None:

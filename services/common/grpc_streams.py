@@ -10,8 +10,8 @@ reader never cancels. A reader that leaves mid-stream (the peer has sent, and
 sends again within a step) hands its pending read to a closer, which waits for
 it and only then cancels the call. One that leaves before the first message
 (the peer may be queueing or prefilling for a long time, and the caller may be
-about to free what the peer writes into) cancels at once and pays the few
-bytes. A call is always cancelled when its reader leaves early: since grpcio
+about to free what the peer writes into) cancels at once and pays a few
+hundred bytes. A call is always cancelled when its reader leaves early: since grpcio
 1.83 a call that is merely dropped stays in flight until its channel closes
 (grpc/grpc#43462).
 """
@@ -66,37 +66,33 @@ async def read_stream(call, idle_timeout: float | None = None) -> AsyncIterator:
 def close_later(call, read: asyncio.Future | None, wait: bool = True) -> None:
     """Cancels `call` now when no read is pending (or `wait` is false), else once
     `read` has completed (at most CLOSE_WAIT_S from now)."""
-    if read is None or read.done():
-        _settle(read)
-        call.cancel()
-        return
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # a reader finalized without a loop: nothing can wait
-        wait = False
-    if not wait:
-        _cancel_under(call, read)
-        return
-    task = loop.create_task(_close(call, read))
-    _closers.add(task)
-    task.add_done_callback(_closers.discard)
+    if wait and read is not None and not read.done():
+        try:
+            task = asyncio.get_running_loop().create_task(_close(call, read))
+        except RuntimeError:  # a reader finalized without a loop: nothing can wait
+            pass
+        else:
+            _closers.add(task)
+            task.add_done_callback(_closers.discard)
+            return
+    _end(call, read)
 
 
 async def _close(call, read: asyncio.Future) -> None:
     try:
         await asyncio.wait((read,), timeout=CLOSE_WAIT_S)
     finally:
-        if read.done():
-            _settle(read)
-            call.cancel()
-        else:
-            _cancel_under(call, read)
+        _end(call, read)
 
 
-def _cancel_under(call, read: asyncio.Future) -> None:
+def _end(call, read: asyncio.Future | None) -> None:
+    """Cancels `call`; under `read` (counted) when it is still pending."""
     global _cancelled_in_flight
-    _cancelled_in_flight += 1
-    read.add_done_callback(_settle)  # it ends with the call's CANCELLED error
+    if read is None or read.done():
+        _settle(read)
+    else:
+        _cancelled_in_flight += 1
+        read.add_done_callback(_settle)  # it ends with the call's CANCELLED error
     call.cancel()
 
 

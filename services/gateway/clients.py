@@ -68,8 +68,8 @@ class WorkerPool(WorkerChannels):
         self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
     ):
         """Streams the worker's chunks. A broken or silent worker becomes a
-        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call
-        (once no read is in flight), which aborts the request on the worker."""
+        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call, which
+        aborts the request on the worker (grpc_streams.read_stream says when)."""
         stub = self.stub(address, worker_pb2_grpc.DecodeStub)
         call = stub.Generate(request, timeout=timeout, metadata=grpc_metadata())
         try:
