@@ -167,13 +167,27 @@ class AsyncLLM:
             lambda e: e.tiers.cached_prefix_blocks(prompt_ids, namespace, public_tokens)
         )
 
-    async def import_blocks(self, blocks: list[tuple[int, bytes]]) -> int:
-        """Verified blocks, (hash, bytes), into the host tier; how many it took."""
-        return await self._call(lambda e: e.tiers.import_blocks(blocks))
+    async def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(hash, host slot) of the leading `hashes` in the host tier, pinned until
+        `export_end`; read them with `host_slot_bytes` from any thread."""
+        return await self._call(lambda e: e.tiers.export_begin(hashes))
 
-    async def export_blocks(self, hashes: list[int]) -> list[bytes]:
-        """The bytes of the leading blocks of `hashes` still held here."""
-        return await self._call(lambda e: e.tiers.export_blocks(hashes))
+    async def export_end(self, slots: list[int]) -> None:
+        await self._call(lambda e: e.tiers.export_end(slots))
+
+    async def import_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(hash, host slot) to fill for the leading `hashes` (`host_slot_bytes`),
+        then `import_end`; a prompt's admission finds them like any host hit."""
+        return await self._call(lambda e: e.tiers.import_begin(hashes))
+
+    async def import_end(self, slots: list[int], filled: int) -> None:
+        """The first `filled` of `slots` hold their blocks; the rest are emptied."""
+        await self._call(lambda e: e.tiers.import_end(slots, filled))
+
+    def host_slot_bytes(self, slot: int):
+        """A host-tier slot's pinned memory as a flat uint8 numpy array (no copy);
+        valid while the slot is held by export_begin or import_begin."""
+        return self._engine.tiers.host.slot_bytes(slot)
 
     async def kv_snapshot(self) -> tuple[list[int], list[int]]:
         """Every block hash cached on the device and in the host tier; the KV events

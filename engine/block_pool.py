@@ -18,6 +18,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    reused: bool = False  # a prompt has hit it since it was cached
 
 
 @dataclass(slots=True)
@@ -55,8 +56,9 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}
         self.events = KVEvents()
         # Blocks that became free while cached, for the host tier to back up (kept only
-        # while one is attached).
+        # while one is attached; with `backup_reused_only`, only blocks a prompt has hit).
         self.track_newly_free = False
+        self.backup_reused_only = False
         self._newly_free: list[KVBlock] = []
 
     @property
@@ -89,9 +91,10 @@ class BlockPool:
             out.append(block)
         return out
 
-    def touch(self, blocks: list[KVBlock]) -> None:
-        """Takes one more reference on each block (a prefix hit or a fork)."""
+    def touch(self, blocks: list[KVBlock], hit: bool = False) -> None:
+        """Takes one more reference on each block (a prefix hit, with `hit`, or a fork)."""
         for block in blocks:
+            block.reused = block.reused or hit
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -106,7 +109,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
                 if self.track_newly_free and block.block_hash is not None:
-                    self._newly_free.append(block)
+                    if block.reused or not self.backup_reused_only:
+                        self._newly_free.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
         """Publishes a full block under its chained hash so later prompts can reuse it."""
@@ -125,6 +129,7 @@ class BlockPool:
             del self._cached[block.block_hash]
             self.events.removed.append(block.block_hash)
         block.block_hash = None
+        block.reused = False
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; only possible while no block is in use."""

@@ -10,6 +10,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "triton", "torch")
+_BACKUPS = ("all", "reused")
 
 
 @dataclass(slots=True)
@@ -48,6 +49,14 @@ class EngineConfig:
         None,
         "host tier of the KV cache, in GiB: blocks that leave the device wait here to be "
         "reused (default: a fifth of the available host memory, at most 16; 0: off)",
+    )
+    host_kv_backup: str | None = setting(
+        None,
+        "which blocks freed on the device the host tier copies: all, or reused (blocks a "
+        "prompt has hit at least once). Default: all when --host-kv-cache-gb is given or "
+        "the tier holds at least the device pool's blocks; reused otherwise, so that a tier "
+        "smaller than the device pool does not copy every request's KV only to evict it",
+        choices=_BACKUPS,
     )
     scheduling_policy: str = setting(
         "fcfs", "fcfs, or priority (lower value first)", choices=_POLICIES
@@ -111,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
         if self.host_kv_cache_gb is not None and self.host_kv_cache_gb < 0:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
+        if self.host_kv_backup is not None and self.host_kv_backup not in _BACKUPS:
+            raise ValueError(f"host_kv_backup must be one of {_BACKUPS}, got {self.host_kv_backup!r}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -12,7 +12,11 @@ scattered from) a staging buffer of the same layout on the device.
   be reused under the copy. Nothing waits for a backup.
 - `load`: host blocks a prompt hits are copied into freshly allocated device
   blocks on the compute stream, before the step that reads them.
-- `import_block` / `export_block`: a block's bytes from and to the shared tier.
+- `slot_bytes`: a host slot as a writable uint8 array over its pinned memory,
+  for the shared tier to read or fill from another thread while the slot is
+  pinned (the engine thread only pins and unpins: no bytes pass through it).
+- `import_block` / `export_block`: one block's bytes in and out, synchronously
+  (for tools and tests; the worker uses `slot_bytes`).
 """
 
 from __future__ import annotations
@@ -160,6 +164,11 @@ class HostTier:
         self._inflight = keep
 
     # -- the shared tier's side --------------------------------------------------
+    def slot_bytes(self, slot: int):
+        """The slot's memory as a flat numpy uint8 array (no copy). Any thread may
+        read or write it while the slot is pinned or being stored."""
+        return self.blocks[slot].view(-1).view(torch.uint8).numpy()
+
     def export_block(self, block_hash: int, device_block: KVBlock | None = None) -> bytes | None:
         """The block's bytes (layer after layer): from the host tier, else from
         `device_block` (a synchronous copy); None when neither has it."""
@@ -179,8 +188,7 @@ class HostTier:
         slot = self.pool.begin_store(block_hash)
         if slot is None:
             return self.pool.contains(block_hash)
-        row = self.blocks[slot].view(-1).view(torch.uint8)
-        row.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.slot_bytes(slot)[:] = memoryview(data).cast("B")
         self.pool.end_store(slot)
         return True
 

@@ -132,7 +132,7 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - reclaimable:
             return False
         if cached is not None:
-            self.pool.touch(device)
+            self.pool.touch(device, hit=True)
             table = list(device)
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed

@@ -2,8 +2,15 @@
 host tier (engine/host_tier.py) and what the shared tier needs of it.
 
 The worker moves shared-tier bytes itself (services, over the network); here
-it finds how much of a prompt is already local, imports verified blocks into
-the host tier, and exports blocks to write through.
+it finds how much of a prompt is already local, and pins host-tier slots for
+the worker to read (export) or fill (import) from its own threads: the engine
+thread only does the bookkeeping, never a copy.
+
+Which freed device blocks the host tier backs up: every one ("all"), or only
+those a prompt has hit ("reused"). The default is "all" when the tier was
+sized by hand or holds at least the device pool, "reused" otherwise: a tier
+smaller than the device pool would hold only what the device evicted last,
+and copying every request's KV there costs the device's steps for little.
 """
 
 from __future__ import annotations
@@ -35,11 +42,20 @@ def host_tier_gb(config: EngineConfig) -> float:
     return min(DEFAULT_FRACTION * available_host_gb(), DEFAULT_CAP_GB)
 
 
+def backup_policy(config: EngineConfig, host_blocks: int, device_blocks: int) -> str:
+    if config.host_kv_backup is not None:
+        return config.host_kv_backup
+    if config.host_kv_cache_gb is not None or host_blocks >= device_blocks:
+        return "all"
+    return "reused"
+
+
 class KVTiers:
     def __init__(self, config: EngineConfig, kv_caches: list, kv: KVCacheManager):
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
+        self.backup = "off"
         # Without prefix caching nothing could ever hit the host tier. A parallel engine's
         # rank 0 holds only its part of each block (its heads, its stage's layers), so
         # the tiers below the device, which would move only that part, are off there.
@@ -50,6 +66,8 @@ class KVTiers:
                 self.host = HostTier(kv_caches, num_blocks)
                 kv.host = self.host
                 kv.pool.track_newly_free = True
+                self.backup = backup_policy(config, num_blocks, kv.pool.num_usable_blocks)
+                kv.pool.backup_reused_only = self.backup == "reused"
 
     # -- the engine's side -----------------------------------------------------
     def load_pending(self) -> None:
@@ -100,6 +118,44 @@ class KVTiers:
                 break
             count += 1
         return count
+
+    def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(hash, host slot) of the leading `hashes` readable in the host tier, each
+        slot pinned (never reused) until `export_end`; stops at the first one that
+        is not there (yet: a backup may still be in flight)."""
+        out = []
+        if self.host is None:
+            return out
+        for h in hashes:
+            slot = self.host.pool.lookup(h)
+            if slot is None:
+                break
+            self.host.pool.pin(slot)
+            out.append((h, slot))
+        return out
+
+    def export_end(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.host.pool.unpin(slot)
+
+    def import_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(hash, host slot) to fill for the leading `hashes`, each slot held until
+        `import_end` (unreadable until then); stops at a hash already held here or
+        when no slot is free."""
+        out = []
+        if self.host is None:
+            return out
+        for h in hashes:
+            slot = self.host.pool.begin_store(h)
+            if slot is None:
+                break
+            out.append((h, slot))
+        return out
+
+    def import_end(self, slots: list[int], filled: int) -> None:
+        """The first `filled` slots hold their blocks now; the rest are emptied."""
+        for i, slot in enumerate(slots):
+            self.host.pool.end_store(slot, ok=i < filled)
 
     def import_blocks(self, blocks: list[tuple[int, bytes]]) -> int:
         """Puts verified blocks, (hash, bytes), into the host tier; returns how many

@@ -78,9 +78,11 @@ def add_up_parser(sub) -> None:
     )
     p.add_argument(
         "--kv-write-through",
-        choices=("none", "prefix", "all"),
-        default="prefix",
-        help="what workers write to the shared tier after a request (default: prefix)",
+        choices=("none", "selective", "prefix", "all"),
+        default="selective",
+        help="what workers write to the shared tier after a request: selective (blocks a "
+        "prompt reused), prefix (every prompt block), all (also the answer's), none "
+        "(default: selective)",
     )
     p.add_argument(
         "--experts",

@@ -63,9 +63,12 @@ def engine_argv(setup: Setup, device: str, store: bool) -> list[str]:
 
 
 def tier_mesh(folder, setup: Setup, device: str) -> Mesh:
+    # every block goes down (an 8k prompt is 1 GiB of llama3-8b KV), and the shared tier
+    # holds the prompt and its fillers
     spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=True,
                     engine_argv=engine_argv(setup, device, store=True),
-                    worker_argv=["--kv-write-through", "all"])  # fmt: skip
+                    worker_argv=["--kv-write-through", "all", "--kv-write-queue-mb", "16384"],
+                    kvstore_argv=["--capacity-bytes", str(32 << 30)])  # fmt: skip
     return Mesh(spec).start(timeout=1800)
 
 

@@ -5,6 +5,7 @@ accelerator, never a dependency: every failure is a miss or a skipped write
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -19,7 +20,7 @@ from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
-FORMAT_VERSION = 1  # of a block's bytes: every layer's block, one after another
+FORMAT_VERSION = 2  # of a block: every layer's block, one after another; XXH3-64 checksums
 
 
 def fingerprint(
@@ -79,38 +80,38 @@ class KvStoreClient:
 
     async def get(self, tenant: str, hashes: list[int]) -> list[tuple[int, int, bytes]]:
         """(hash, parent hash, bytes) of the leading blocks the store returned, each
-        checked again here: its checksum, and that it is the block asked for."""
+        checked again here (in a thread): its checksum, and that it is the block
+        asked for."""
         if not hashes or not self.available:
             return []
-        out: list[tuple[int, int, bytes]] = []
+        received = []
         request = kvstore_pb2.GetRequest(tenant=tenant, fingerprint=self.model, block_hashes=hashes)
         try:
             call = self.stub.Get(request, timeout=self.timeout, metadata=grpc_metadata())
             async with aclosing(read_stream(call)) as blocks:
                 async for block in blocks:
-                    want = hashes[len(out)] if len(out) < len(hashes) else None
-                    if block.block_hash != want or block_checksum(block.data) != block.checksum:
-                        logger.warning("KV store sent a block that fails verification; dropped")
+                    received.append(block)
+                    if len(received) == len(hashes):
                         break
-                    out.append((block.block_hash, block.parent_hash, block.data))
         except grpc.RpcError as exc:
             self._failed("get", exc)
-        return out
+        return await asyncio.to_thread(_verified, received, hashes)
 
-    async def put(self, tenant: str, blocks: list[tuple[int, int, bytes]]) -> int:
-        """Stores (hash, parent hash, bytes) blocks; returns how many are now there."""
+    async def put(self, tenant: str, blocks: list[tuple[int, int, bytes, int]]) -> int:
+        """Stores (hash, parent hash, bytes, checksum) blocks; returns how many are
+        now there."""
         if not blocks or not self.available:
             return 0
 
         def messages():
-            for block_hash, parent, data in blocks:
+            for block_hash, parent, data, checksum in blocks:
                 yield kvstore_pb2.PutBlock(
                     tenant=tenant,
                     fingerprint=self.model,
                     block_hash=block_hash,
                     parent_hash=parent,
                     data=data,
-                    checksum=block_checksum(data),
+                    checksum=checksum,
                 )
 
         try:
@@ -124,3 +125,13 @@ class KvStoreClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def _verified(received, hashes: list[int]) -> list[tuple[int, int, bytes]]:
+    out: list[tuple[int, int, bytes]] = []
+    for block, want in zip(received, hashes):
+        if block.block_hash != want or block_checksum(block.data) != block.checksum:
+            logger.warning("KV store sent a block that fails verification; dropped")
+            break
+        out.append((block.block_hash, block.parent_hash, block.data))
+    return out

@@ -113,6 +113,13 @@ KV_SHARED_REJECTED = Counter(
 KV_SHARED_WRITTEN_BLOCKS = Counter(
     "yinian:kv_shared_written_blocks", "Blocks written through to the shared tier", ["worker"]
 )
+KV_SHARED_DROPPED_BLOCKS = Counter(
+    "yinian:kv_shared_dropped_blocks",
+    "Blocks the write policy chose that were not written: the write queue was full "
+    "(queue_full), the block had left the host tier (not_local), or the store refused "
+    "or failed (store)",
+    ["worker", "reason"],
+)
 
 # Request-side (gateway)
 TTFT = Histogram(

@@ -1,17 +1,24 @@
 """The shared tier as an engine worker uses it, free of gRPC (the KV store
 client is handed in): before a prompt runs, the blocks it lacks locally that
 the shared tier holds are fetched, checked, and put into the engine's host
-tier, where admission finds them; after a request, the blocks it computed are
-written through, under a policy:
+tier, where admission finds them; after a request, blocks are written down
+under a policy:
 
 - `none`: nothing is written;
-- `prefix`: the prompt's full blocks (a later request with this prefix, on any
-  worker, skips it);
+- `selective` (the default): the prompt's blocks that it found cached, i.e. a
+  block goes down once it is reused (random traffic writes nothing);
+- `prefix`: every full block of the prompt (a later request with this
+  prefix, on any worker, skips it);
 - `all`: also the blocks of the generated tokens (the next turn of a
   conversation, whose prompt holds this answer, skips it too).
 
-A block's hash is what it holds (chained over the prompt and salted with the
-tenant), so a fetched block is used only under the hash the prompt asks for.
+No byte passes through the engine's thread or waits on its steps: the engine
+pins host-tier slots (its pinned copies of blocks that left the device), and
+the copies and checksums run in a thread of this process. Writes wait in a
+bounded queue (`max_pending_bytes`): a write that does not fit is dropped and
+counted, never waited for. A block's hash is what it holds (chained over the
+prompt and salted with the tenant), so a fetched block is used only under the
+hash the prompt asks for.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ from dataclasses import dataclass
 from basis.block_hash import PUBLIC_NAMESPACE, hash_prompt_blocks
 from engine import AsyncLLM
 from services.common import metrics
+from services.common.kv_checksum import block_checksum
 from services.common.telemetry import tracer
 from services.common.worker_config import WRITE_THROUGH
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("yinian.kv")
 _REMEMBERED = 1 << 16  # hashes known to be in the store, not written again
+_EXPORT_TRIES = 20  # a freed block reaches the host tier a step or two after its request
+_EXPORT_WAIT = 0.025  # seconds between tries
 
 
 @dataclass(slots=True)
@@ -40,21 +50,34 @@ class SharedKvStats:
     fetch_seconds: float = 0.0
     rejected_blocks: int = 0  # came back but failed a check here
     written_blocks: int = 0
+    written_bytes: int = 0
+    dropped_blocks: int = 0  # chosen by the policy, not written (queue full, gone, refused)
 
 
 class SharedKv:
-    def __init__(self, engine: AsyncLLM, client, worker_id: str, policy: str = "prefix"):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        client,
+        worker_id: str,
+        policy: str = "selective",
+        max_pending_bytes: int = 512 << 20,
+    ):
         if policy not in WRITE_THROUGH:
             raise ValueError(f"write-through policy must be one of {WRITE_THROUGH}, got {policy!r}")
         self.engine = engine
         self.client = client
         self.worker_id = worker_id
         self.policy = policy
+        self.max_pending_bytes = max_pending_bytes
         self.block_size = engine.facts.block_size
+        self.block_bytes = engine.facts.kv_block_bytes
         self.stats = SharedKvStats()
+        self.pending_bytes = 0
         self._written: OrderedDict[int, None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
 
+    # -- reads -------------------------------------------------------------------
     async def prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int = 0) -> int:
         """Fetches the prompt's missing leading blocks from the shared tier into the
         host tier; returns the prompt tokens it made local. (The store answers a
@@ -69,82 +92,149 @@ class SharedKv:
         hashes = hash_prompt_blocks(prompt_ids, self.block_size, tenant, public_tokens)[:limit]
         if not hashes or not self.engine.facts.has_host_tier:
             return 0
+        start = time.monotonic()
+        # The store first: most prompts find nothing there, and then the engine's
+        # thread is not asked anything.
+        shared = await self.client.lookup(tenant, hashes)
+        if shared == 0:
+            return 0
         head = prompt_ids[: limit * self.block_size]
         local = await self.engine.cached_prefix_blocks(head, tenant, public_tokens)
-        missing = hashes[local:]
-        if not missing:
+        if shared <= local:
             return 0
-        start = time.monotonic()
-        count = await self.client.lookup(tenant, missing)
-        if count == 0:
+        slots = await self.engine.import_begin(hashes[local:shared])
+        if not slots:
             return 0
-        blocks = await self.client.get(tenant, missing[:count])
-        checked = []
-        for i, (block_hash, parent, data) in enumerate(blocks):
-            expected_parent = hashes[local + i - 1] if local + i > 0 else 0
-            if parent != expected_parent or len(data) != self.engine.facts.kv_block_bytes:
-                self.stats.rejected_blocks += 1
-                metrics.KV_SHARED_REJECTED.labels(worker=self.worker_id).inc()
-                logger.warning("shared block %x does not fit this prompt; recomputing", block_hash)
-                break
-            checked.append((block_hash, data))
-        taken = await self.engine.import_blocks(checked)
+        filled = 0
+        try:
+            blocks = await self.client.get(tenant, [h for h, _ in slots])
+            filled = await asyncio.to_thread(self._fill, slots, blocks, hashes, local)
+        finally:
+            await self.engine.import_end([s for _, s in slots], filled)
         seconds = time.monotonic() - start
-        nbytes = sum(len(d) for _, d in checked[:taken])
-        self.stats.fetched_blocks += taken
+        nbytes = filled * self.block_bytes
+        self.stats.fetched_blocks += filled
         self.stats.fetched_bytes += nbytes
         self.stats.fetch_seconds += seconds
-        metrics.KV_SHARED_FETCHED_TOKENS.labels(worker=self.worker_id).inc(taken * self.block_size)
+        metrics.KV_SHARED_FETCHED_TOKENS.labels(worker=self.worker_id).inc(filled * self.block_size)
         metrics.KV_SHARED_BYTES.labels(worker=self.worker_id, direction="in").inc(nbytes)
         metrics.KV_SHARED_FETCH_SECONDS.observe(seconds)
-        for block_hash, _ in checked[:taken]:
+        for block_hash, _ in slots[:filled]:
             self._remember(block_hash)
-        return taken * self.block_size
+        return filled * self.block_size
 
+    def _fill(self, slots, blocks, hashes: list[int], local: int) -> int:
+        """Copies the fetched blocks into their host slots (in a thread); returns how
+        many leading ones fit the prompt (parent chain and size) and were copied."""
+        filled = 0
+        for (block_hash, slot), (got_hash, parent, data) in zip(slots, blocks):
+            i = local + filled
+            expected_parent = hashes[i - 1] if i > 0 else 0
+            if got_hash != block_hash or parent != expected_parent or len(data) != self.block_bytes:
+                self.stats.rejected_blocks += 1
+                metrics.KV_SHARED_REJECTED.labels(worker=self.worker_id).inc()
+                logger.warning("shared block %x does not fit this prompt; recomputing", got_hash)
+                break
+            self.engine.host_slot_bytes(slot)[:] = memoryview(data).cast("B")
+            filled += 1
+        return filled
+
+    # -- writes ------------------------------------------------------------------
     def write_through(
-        self, prompt_ids: list[int], output_ids: list[int], tenant: str, public_tokens: int = 0
+        self,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        tenant: str,
+        public_tokens: int = 0,
+        cached_tokens: int = 0,
     ) -> None:
-        """Starts writing the request's blocks, as the policy says, in the background."""
+        """Queues the request's blocks that the policy chooses (`cached_tokens`: how
+        much of the prompt it found cached, for `selective`), written in the
+        background; dropped and counted when the queue is full."""
         if self.policy == "none":
             return
-        tokens = prompt_ids if self.policy == "prefix" else prompt_ids + output_ids
-        hashes = hash_prompt_blocks(tokens, self.block_size, tenant, public_tokens)
-        if not hashes or all(h in self._written for h in hashes):
+        if self.policy == "selective":
+            hashes = hash_prompt_blocks(prompt_ids, self.block_size, tenant, public_tokens)
+            hashes = hashes[: cached_tokens // self.block_size]
+        else:
+            tokens = prompt_ids if self.policy == "prefix" else prompt_ids + output_ids
+            hashes = hash_prompt_blocks(tokens, self.block_size, tenant, public_tokens)
+        todo = [(i, h) for i, h in enumerate(hashes) if h not in self._written]
+        if not todo:
             return
+        nbytes = len(todo) * self.block_bytes
+        if self.pending_bytes + nbytes > self.max_pending_bytes:
+            self._dropped(len(todo), "queue_full")
+            return
+        self.pending_bytes += nbytes
         public = public_tokens // self.block_size
-        task = asyncio.get_running_loop().create_task(self._write(hashes, tenant, public))
+        parents = {i: hashes[i - 1] if i else 0 for i, _ in todo}
+        task = asyncio.get_running_loop().create_task(
+            self._write(todo, parents, tenant, public, nbytes)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, hashes: list[int], tenant: str, public_blocks: int) -> None:
+    async def _write(self, todo, parents, tenant: str, public_blocks: int, nbytes: int) -> None:
         try:
-            data = await self.engine.export_blocks(hashes)
+            await self._write_blocks(todo, parents, tenant, public_blocks)
         except RuntimeError:  # the engine shut down meanwhile
-            return
-        todo = [
-            (i, (h, hashes[i - 1] if i else 0, d))
-            for i, (h, d) in enumerate(zip(hashes, data))
-            if h not in self._written
-        ]
+            pass
+        except Exception:
+            logger.exception("shared-tier write failed")
+        finally:
+            self.pending_bytes -= nbytes
+
+    async def _write_blocks(self, todo, parents, tenant: str, public_blocks: int) -> None:
+        """Waits (briefly) until the blocks are in the host tier, copies them out of
+        their pinned slots with their checksums in a thread, then puts them."""
+        hashes = [h for _, h in todo]
+        got: list[tuple[int, bytes, int]] = []  # (hash, bytes, checksum)
+        for attempt in range(_EXPORT_TRIES):
+            pinned = await self.engine.export_begin(hashes[len(got) :])
+            if pinned:
+                try:
+                    got += await asyncio.to_thread(self._copy_out, pinned)
+                finally:
+                    await self.engine.export_end([s for _, s in pinned])
+            if len(got) == len(hashes) or attempt == _EXPORT_TRIES - 1:
+                break
+            await asyncio.sleep(_EXPORT_WAIT)
+        if len(got) < len(hashes):
+            self._dropped(len(hashes) - len(got), "not_local")
+        index = {h: i for i, h in todo}
         stored = 0
         # the public prefix's blocks belong to the public namespace, the rest to the tenant
         for owner, part in (
-            (PUBLIC_NAMESPACE, [b for i, b in todo if i < public_blocks]),
-            (tenant, [b for i, b in todo if i >= public_blocks]),
+            (PUBLIC_NAMESPACE, [b for b in got if index[b[0]] < public_blocks]),
+            (tenant, [b for b in got if index[b[0]] >= public_blocks]),
         ):
             if not part:
                 continue
-            done = await self.client.put(owner, part)
+            blocks = [(h, parents[index[h]], data, checksum) for h, data, checksum in part]
+            done = await self.client.put(owner, blocks)
             if done == len(part):
                 for h, _, _ in part:
                     self._remember(h)
+            else:
+                self._dropped(len(part) - done, "store")
             stored += done
-        blocks = [b for _, b in todo]
+        nbytes = stored * self.block_bytes
         self.stats.written_blocks += stored
+        self.stats.written_bytes += nbytes
         metrics.KV_SHARED_WRITTEN_BLOCKS.labels(worker=self.worker_id).inc(stored)
-        metrics.KV_SHARED_BYTES.labels(worker=self.worker_id, direction="out").inc(
-            sum(len(d) for _, _, d in blocks)
-        )
+        metrics.KV_SHARED_BYTES.labels(worker=self.worker_id, direction="out").inc(nbytes)
+
+    def _copy_out(self, pinned: list[tuple[int, int]]) -> list[tuple[int, bytes, int]]:
+        out = []
+        for block_hash, slot in pinned:
+            data = self.engine.host_slot_bytes(slot).tobytes()
+            out.append((block_hash, data, block_checksum(data)))
+        return out
+
+    def _dropped(self, count: int, reason: str) -> None:
+        self.stats.dropped_blocks += count
+        metrics.KV_SHARED_DROPPED_BLOCKS.labels(worker=self.worker_id, reason=reason).inc(count)
 
     def _remember(self, block_hash: int) -> None:
         self._written[block_hash] = None

@@ -13,7 +13,7 @@ from engine.cli_args import add_engine_args, engine_options
 from services.common.tls import TlsSettings
 
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
-WRITE_THROUGH = ("none", "prefix", "all")
+WRITE_THROUGH = ("none", "selective", "prefix", "all")
 
 
 @dataclass(slots=True)
@@ -36,10 +36,16 @@ class WorkerSettings(TlsSettings):
     )
     kvstore: str = setting("", "the KV store's gRPC address (empty: no shared tier)")
     kv_write_through: str = setting(
-        "prefix",
-        "what goes to the shared tier after a request: none, prefix (the prompt's full "
-        "blocks) or all (also the generated tokens' blocks)",
+        "selective",
+        "what goes to the shared tier after a request: none; selective (the prompt's blocks "
+        "it found cached here: a block goes down once it is reused); prefix (every full "
+        "block of the prompt); all (also the generated tokens' blocks)",
         choices=WRITE_THROUGH,
+    )
+    kv_write_queue_mb: int = setting(
+        512,
+        "KV bytes (MiB) waiting to be written to the shared tier at most; a write beyond "
+        "it is dropped and counted (yinian:kv_shared_dropped_blocks), never waited for",
     )
     drain_timeout: float = setting(
         30.0,
@@ -68,6 +74,8 @@ class WorkerSettings(TlsSettings):
                 raise ValueError(f"unknown KV transport {name!r}; known: {KV_TRANSPORTS}")
         if self.kv_write_through not in WRITE_THROUGH:
             raise ValueError(f"kv_write_through must be one of {WRITE_THROUGH}")
+        if self.kv_write_queue_mb < 0:
+            raise ValueError("kv_write_queue_mb must be >= 0")
         if self.load_interval <= 0:
             raise ValueError("load_interval must be > 0")
         if self.drain_timeout < 0:

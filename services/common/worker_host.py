@@ -64,7 +64,11 @@ class WorkerHost:
     def __init__(self, config: WorkerSettings, service_name: str):
         self.config = config
         setup_tracing(service_name)
-        self.engine = AsyncLLM.from_model(config.model, **config.engine_options)
+        options = dict(config.engine_options)
+        if config.kvstore and config.kv_write_through in ("prefix", "all"):
+            # these policies write blocks nobody reused: the host tier must hold them all
+            options.setdefault("host_kv_backup", "all")
+        self.engine = AsyncLLM.from_model(config.model, **options)
         self.server = GrpcServer(config.host, config.port, config.tls_files())
         self.address = f"{config.address_host}:{self.server.port}"
         metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
@@ -94,7 +98,10 @@ class WorkerHost:
                 config.kvstore, model_fingerprint(config.model, self.engine),
                 tls=config.tls_files(),
             )  # fmt: skip
-            self.shared = SharedKv(self.engine, client, config.worker_id, config.kv_write_through)
+            self.shared = SharedKv(
+                self.engine, client, config.worker_id, config.kv_write_through,
+                max_pending_bytes=config.kv_write_queue_mb << 20,
+            )  # fmt: skip
             self.on_close(client.close)
             self.on_close(self.shared.drain)
         self.serve(

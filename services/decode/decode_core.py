@@ -123,7 +123,9 @@ class DecodeCore:
             if out.finished and self.shared is not None and not out.error:
                 # now, not after the last delta: a caller may stop reading once it has it
                 for tokens in generated.values():
-                    self.shared.write_through(full_prompt, tokens, tenant, public_tokens)
+                    self.shared.write_through(
+                        full_prompt, tokens, tenant, public_tokens, out.num_cached_tokens
+                    )
             for completion in out.outputs:
                 if not completion.token_ids and completion.finish_reason is None:
                     continue

@@ -5,7 +5,7 @@
                    tenant length
     fingerprint    its canonical bytes (services/kvstore/fingerprint.py)
     tenant         UTF-8
-    header check   blake2b-64 of everything above (covers the parent hash,
+    header check   XXH3-64 of everything above (covers the parent hash,
                    which no other check would catch)
     payload        the block's bytes
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from services.common.kv_checksum import block_checksum
 
 MAGIC = b"YNKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: XXH3-64 checksums (1 was blake2b)
 _FIXED = struct.Struct("<4sHQQQQHH")
 _CHECK = struct.Struct("<Q")
 

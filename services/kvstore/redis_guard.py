@@ -46,6 +46,7 @@ class RedisGuard:
         timeout: float = 0.5,
         retry_after: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        max_connections: int = 64,
     ):
         options: dict[str, Any] = dict(
             socket_timeout=timeout,
@@ -56,7 +57,12 @@ class RedisGuard:
         if cluster:
             self.client = RedisCluster.from_url(url, **options)
         else:
-            self.client = aioredis.Redis.from_url(url, **options)
+            # A call waits (up to the timeout) for one of a bounded set of connections,
+            # instead of failing at once when a burst of puts has taken them all.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=timeout, **options
+            )
+            self.client = aioredis.Redis(connection_pool=pool)
         self.url = url
         self.timeout = timeout
         self.retry_after = retry_after

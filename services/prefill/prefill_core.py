@@ -149,7 +149,9 @@ class PrefillCore:
         completion = final.outputs[0]
         token = completion.token_ids[0]
         if self.shared is not None:
-            self.shared.write_through(prompt_ids, [], tenant, public_tokens)
+            self.shared.write_through(
+                prompt_ids, [], tenant, public_tokens, cached_tokens=final.num_cached_tokens
+            )
         logprob, top = 0.0, []
         if completion.logprobs:
             entry = completion.logprobs[0]

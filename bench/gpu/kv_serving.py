@@ -1,0 +1,162 @@
+"""What the KV tiers cost a mesh that serves traffic with no reuse: the default
+`yinian up` mesh (KV store on, default host tier and write policy) beside one
+with neither (`--no-kvstore --host-kv-cache-gb 0`), on the same Poisson load
+(random 1024-token prompts generating 128, vLLM's `random` workload), each mesh
+started once and swept over the rates. For each mesh: the sweep's rows, what its
+workers wrote to the shared tier (bytes, bytes per second, dropped blocks) and
+how many "put failed" lines its logs hold; then each figure's ratio to the bare
+mesh's.
+
+Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
+           [--rates 8,16,32] [--prompts-per-rate 160] [--device cpu]
+Sections: ceilings, default, bare (then the ratios, printed and stored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from bench.gpu import ceilings
+from bench.gpu.models import preset_folder
+from bench.gpu.sections import Sections, script_parser
+from services.common.processes import free_port
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import worker_metric
+
+ROW_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
+COMPARED = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    preset: str
+    input_len: int
+    output_len: int
+    rates: str
+    prompts_per_rate: int
+
+
+GPU = Load("llama3-8b", 1024, 128, "8,16,32", 160)
+DRY = Load("tiny-llama", 32, 8, "16,inf", 4)
+
+
+def engine_argv(device: str) -> list[str]:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return ["--device", device, "--dtype", dtype, "--load-format", "dummy",
+            "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
+
+
+def sweep(load: Load, folder, device: str, out_dir, name: str, bare: bool) -> dict:
+    from bench.loadgen.cli import run as bench_run
+
+    argv = engine_argv(device) + (["--host-kv-cache-gb", "0"] if bare else [])
+    spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=not bare,
+                    engine_argv=argv)  # fmt: skip
+    mesh = Mesh(spec)
+    start = time.monotonic()
+    mesh.start(timeout=900)
+    started = time.monotonic() - start
+    try:
+        before = _written(mesh)
+        start = time.monotonic()
+        rc = bench_run([
+            "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
+            "--dataset-name", "random", "--num-prompts", str(load.prompts_per_rate),
+            "--random-input-len", str(load.input_len), "--random-output-len",
+            str(load.output_len), "--prompt-format", "ids", "--request-rates", load.rates,
+            "--disable-tqdm", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+        ])  # fmt: skip
+        seconds = time.monotonic() - start
+        after = _written(mesh)
+    finally:
+        mesh.stop()
+    runs = json.loads((out_dir / f"{name}-sweep.json").read_text())["runs"]
+    written = after["bytes"] - before["bytes"]
+    return {
+        "rc": rc,
+        "start_seconds": started,
+        "sweep_seconds": seconds,
+        "rows": [{k: r.get(k) for k in ROW_KEYS} for r in runs],
+        "shared_written_bytes": written,
+        "shared_written_bytes_per_s": written / seconds if seconds else 0.0,
+        "shared_dropped_blocks": after["dropped"] - before["dropped"],
+        "host_bytes_to_host": after["to_host"],
+        "put_failures_in_logs": _log_lines(mesh, "put failed"),
+    }
+
+
+def _written(mesh: Mesh) -> dict:
+    def total(name: str, where: str = "") -> float:
+        return sum(worker_metric(mesh, name, where=where).values())
+
+    return {
+        "bytes": total("yinian:kv_shared_bytes_total", 'direction="out"'),
+        "dropped": total("yinian:kv_shared_dropped_blocks_total"),
+        "to_host": total("yinian:host_kv_bytes", 'direction="to_host"'),
+    }
+
+
+def _log_lines(mesh: Mesh, needle: str) -> int:
+    count = 0
+    for path in mesh.log_dir.glob("*.log"):
+        count += sum(needle in line for line in path.read_text(errors="replace").splitlines())
+    return count
+
+
+def ratios(default: dict, bare: dict) -> list[dict]:
+    out = []
+    for ours, theirs in zip(default["rows"], bare["rows"]):
+        row = {"request_rate": ours["request_rate"]}
+        for key in COMPARED:
+            a, b = ours.get(key), theirs.get(key)
+            row[key] = a / b if a is not None and b else None
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument("--rates")
+    parser.add_argument("--prompts-per-rate", type=int)
+    args = parser.parse_args(argv)
+    load = GPU if args.device == "cuda" else DRY
+    load = dataclasses.replace(load, rates=args.rates or load.rates,
+                               prompts_per_rate=args.prompts_per_rate or load.prompts_per_rate)  # fmt: skip
+    with Sections(args, script="kv_serving", preset=load.preset) as section:
+        device, out_dir = section.device, args.out.with_suffix("")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        section("ceilings", lambda: ceilings.measure(device))
+        folder, _ = preset_folder(section.tmp, load.preset)
+        default = section("default", lambda: sweep(load, folder, device, out_dir, "default", False))
+        bare = section("bare", lambda: sweep(load, folder, device, out_dir, "bare", True))
+        if "rows" in (default or {}) and "rows" in (bare or {}):
+            section.results["ratio_default_to_bare"] = ratios(default, bare)
+        print_table(section.results)
+        return section.results
+
+
+def print_table(results: dict) -> None:
+    print("| mesh | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | TPOT p99 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("default", "bare"):
+        for r in (results.get(name) or {}).get("rows", []):
+            print(f"| {name} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
+                  f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
+                  f"{r['p99_ttft_ms']:.1f} | {r['p99_tpot_ms']:.2f} |")  # fmt: skip
+    for name in ("default", "bare"):
+        r = results.get(name) or {}
+        if "rows" in r:
+            print(f"{name}: shared tier written {r['shared_written_bytes_per_s'] / 1e6:.1f} MB/s, "
+                  f"dropped {r['shared_dropped_blocks']:.0f} blocks, to host "
+                  f"{r['host_bytes_to_host'] / 1e6:.0f} MB, 'put failed' lines "
+                  f"{r['put_failures_in_logs']}, start {r['start_seconds']:.0f} s")  # fmt: skip
+    for row in results.get("ratio_default_to_bare", []):
+        cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
+        print(f"rate {row['request_rate']}: default / bare: {cells}")
+
+
+if __name__ == "__main__":
+    main()
