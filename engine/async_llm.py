@@ -184,6 +184,14 @@ class AsyncLLM:
         """The first `filled` of `slots` hold their blocks; the rest are emptied."""
         await self._call(lambda e: e.tiers.import_end(slots, filled))
 
+    @property
+    def host_region(self) -> tuple[str, int] | None:
+        """(path, size) of the host tier's shared-memory file (slot i at i times the
+        block's bytes), for a KV store on this host to read and fill; None if the
+        tier is private memory or absent."""
+        host = self._engine.tiers.host
+        return host.region if host is not None else None
+
     def host_slot_bytes(self, slot: int):
         """A host-tier slot's pinned memory as a flat uint8 numpy array (no copy);
         valid while the slot is held by export_begin or import_begin."""

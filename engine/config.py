@@ -121,7 +121,9 @@ class EngineConfig:
         if self.host_kv_cache_gb is not None and self.host_kv_cache_gb < 0:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.host_kv_backup is not None and self.host_kv_backup not in _BACKUPS:
-            raise ValueError(f"host_kv_backup must be one of {_BACKUPS}, got {self.host_kv_backup!r}")
+            raise ValueError(
+                f"host_kv_backup must be one of {_BACKUPS}, got {self.host_kv_backup!r}"
+            )
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

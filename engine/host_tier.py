@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import host_memory
 from engine.block_pool import BlockPool, KVBlock
 from engine.host_pool import HostBlockPool
 
@@ -58,9 +59,10 @@ class HostTier:
         self.kv_caches = kv_caches
         cuda = self.device.type == "cuda"
         # empty, not zeros: untouched host pages cost nothing until a block lands
-        self.blocks = torch.empty(
-            (num_blocks, self.num_layers, *self.block_shape), dtype=first.dtype, pin_memory=cuda
+        self.memory = host_memory.allocate(
+            (num_blocks, self.num_layers, *self.block_shape), first.dtype, cuda
         )
+        self.blocks = self.memory.tensor
         self.pool = HostBlockPool(num_blocks)
         self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()
         self.chunk = max(1, min(num_blocks, _STAGING_BYTES // self.bytes_per_block))
@@ -163,7 +165,18 @@ class HostTier:
                 device_pool.free(op.device_blocks)
         self._inflight = keep
 
+    def close(self) -> None:
+        self.memory.close()
+
     # -- the shared tier's side --------------------------------------------------
+    @property
+    def region(self) -> tuple[str, int] | None:
+        """(path, size) of the shared-memory file holding the tier, if it is one;
+        slot i's bytes start at i * bytes_per_block."""
+        if self.memory.path is None:
+            return None
+        return str(self.memory.path), self.memory.size
+
     def slot_bytes(self, slot: int):
         """The slot's memory as a flat numpy uint8 array (no copy). Any thread may
         read or write it while the slot is pinned or being stored."""

@@ -104,6 +104,7 @@ class KVTiers:
     def close(self) -> None:
         if self.host is not None:
             self.host.poll(self.kv.pool, wait=True)
+            self.host.close()
         self.host = self.kv.host = None
 
     # -- the shared tier's side ---------------------------------------------------

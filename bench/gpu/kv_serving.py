@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts-per-rate", type=int)
     args = parser.parse_args(argv)
     load = GPU if args.device == "cuda" else DRY
-    load = dataclasses.replace(load, rates=args.rates or load.rates,
-                               prompts_per_rate=args.prompts_per_rate or load.prompts_per_rate)  # fmt: skip
+    load = dataclasses.replace(
+        load,
+        rates=args.rates or load.rates,
+        prompts_per_rate=args.prompts_per_rate or load.prompts_per_rate,
+    )
     with Sections(args, script="kv_serving", preset=load.preset) as section:
         device, out_dir = section.device, args.out.with_suffix("")
         out_dir.mkdir(parents=True, exist_ok=True)

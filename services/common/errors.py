@@ -56,6 +56,10 @@ class DeadlineExceeded(MeshError):
     """A hop took longer than its deadline."""
 
 
+class FailedPrecondition(MeshError):
+    """Well formed, but this service cannot do it here (e.g. memory of another host)."""
+
+
 GRPC_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -64,6 +68,7 @@ GRPC_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     Saturated: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # (HTTP status, OpenAI error type)

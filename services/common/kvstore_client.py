@@ -20,6 +20,8 @@ from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
+# the store cannot map our region (another host), or predates the same-host RPCs
+_NO_REGION = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 FORMAT_VERSION = 2  # of a block: every layer's block, one after another; XXH3-64 checksums
 
 
@@ -122,6 +124,64 @@ class KvStoreClient:
             self._failed("put", exc)
             return 0
         return answer.stored + answer.already_present
+
+    # -- the same-host data plane: the store reads and fills our host tier itself --
+    async def put_from(
+        self, tenant: str, region: tuple[str, int], block_bytes: int,
+        blocks: list[tuple[int, int, int]],
+    ) -> int | None:  # fmt: skip
+        """Stores (hash, parent hash, offset) blocks that the store reads out of
+        `region` (path, size); how many are now there, or None when the store
+        cannot open the region (another host)."""
+        if not blocks or not self.available:
+            return 0
+        request = kvstore_pb2.PutFromRequest(
+            tenant=tenant,
+            fingerprint=self.model,
+            region=kvstore_pb2.SharedRegion(path=region[0], size=region[1]),
+            block_bytes=block_bytes,
+            blocks=[
+                kvstore_pb2.RegionBlock(block_hash=h, parent_hash=p, offset=o) for h, p, o in blocks
+            ],
+        )
+        try:
+            answer = await self.stub.PutFrom(
+                request, timeout=self.timeout * 4, metadata=grpc_metadata()
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in _NO_REGION:
+                return None
+            self._failed("put", exc)
+            return 0
+        return answer.stored + answer.already_present
+
+    async def get_into(
+        self, tenant: str, region: tuple[str, int], block_bytes: int,
+        hashes: list[int], offsets: list[int],
+    ) -> list[tuple[int, int]] | None:  # fmt: skip
+        """The store writes the leading blocks it has into `region` at `offsets`;
+        (parent hash, checksum) of each written, or None when it cannot open the
+        region. The caller verifies the checksums over its own memory."""
+        if not hashes or not self.available:
+            return []
+        request = kvstore_pb2.GetIntoRequest(
+            tenant=tenant,
+            fingerprint=self.model,
+            region=kvstore_pb2.SharedRegion(path=region[0], size=region[1]),
+            block_bytes=block_bytes,
+            block_hashes=hashes,
+            offsets=offsets,
+        )
+        try:
+            answer = await self.stub.GetInto(
+                request, timeout=self.timeout, metadata=grpc_metadata()
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in _NO_REGION:
+                return None
+            self._failed("get", exc)
+            return []
+        return list(zip(answer.parent_hashes, answer.checksums))
 
     async def close(self) -> None:
         await self.channel.close()

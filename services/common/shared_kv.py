@@ -13,8 +13,11 @@ under a policy:
   conversation, whose prompt holds this answer, skips it too).
 
 No byte passes through the engine's thread or waits on its steps: the engine
-pins host-tier slots (its pinned copies of blocks that left the device), and
-the copies and checksums run in a thread of this process. Writes wait in a
+pins host-tier slots (its pinned copies of blocks that left the device). A KV
+store on this host reads those slots out of the tier's shared memory (PutFrom)
+and writes fetched blocks into it (GetInto), so no block's bytes pass through
+this process at all; a store elsewhere gets them by value, copied and
+checksummed in a thread. Writes wait in a
 bounded queue (`max_pending_bytes`): a write that does not fit is dropped and
 counted, never waited for. A block's hash is what it holds (chained over the
 prompt and salted with the tenant), so a fetched block is used only under the
@@ -74,6 +77,9 @@ class SharedKv:
         self.block_bytes = engine.facts.kv_block_bytes
         self.stats = SharedKvStats()
         self.pending_bytes = 0
+        # The host tier's shared memory, which a KV store on this host reads and fills
+        # itself (None: blocks go by value, through this process).
+        self.region = engine.host_region
         self._written: OrderedDict[int, None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
 
@@ -107,8 +113,19 @@ class SharedKv:
             return 0
         filled = 0
         try:
-            blocks = await self.client.get(tenant, [h for h, _ in slots])
-            filled = await asyncio.to_thread(self._fill, slots, blocks, hashes, local)
+            written = None
+            if self.region is not None:
+                offsets = [slot * self.block_bytes for _, slot in slots]
+                written = await self.client.get_into(
+                    tenant, self.region, self.block_bytes, [h for h, _ in slots], offsets
+                )
+                if written is None:
+                    self._no_region()
+                else:
+                    filled = await asyncio.to_thread(self._verify, slots, written, hashes, local)
+            if written is None:
+                blocks = await self.client.get(tenant, [h for h, _ in slots])
+                filled = await asyncio.to_thread(self._fill, slots, blocks, hashes, local)
         finally:
             await self.engine.import_end([s for _, s in slots], filled)
         seconds = time.monotonic() - start
@@ -123,6 +140,25 @@ class SharedKv:
             self._remember(block_hash)
         return filled * self.block_size
 
+    def _verify(self, slots, written, hashes: list[int], local: int) -> int:
+        """How many leading blocks the store wrote into their slots fit the prompt
+        (parent chain) and hold what their checksum says (read here, in a thread)."""
+        for n, ((block_hash, slot), (parent, checksum)) in enumerate(zip(slots, written)):
+            i = local + n
+            expected_parent = hashes[i - 1] if i > 0 else 0
+            if (
+                parent != expected_parent
+                or block_checksum(self.engine.host_slot_bytes(slot)) != checksum
+            ):
+                self._rejected(block_hash)
+                return n
+        return len(written)
+
+    def _rejected(self, block_hash: int) -> None:
+        self.stats.rejected_blocks += 1
+        metrics.KV_SHARED_REJECTED.labels(worker=self.worker_id).inc()
+        logger.warning("shared block %x does not fit this prompt; recomputing", block_hash)
+
     def _fill(self, slots, blocks, hashes: list[int], local: int) -> int:
         """Copies the fetched blocks into their host slots (in a thread); returns how
         many leading ones fit the prompt (parent chain and size) and were copied."""
@@ -131,9 +167,7 @@ class SharedKv:
             i = local + filled
             expected_parent = hashes[i - 1] if i > 0 else 0
             if got_hash != block_hash or parent != expected_parent or len(data) != self.block_bytes:
-                self.stats.rejected_blocks += 1
-                metrics.KV_SHARED_REJECTED.labels(worker=self.worker_id).inc()
-                logger.warning("shared block %x does not fit this prompt; recomputing", got_hash)
+                self._rejected(got_hash)
                 break
             self.engine.host_slot_bytes(slot)[:] = memoryview(data).cast("B")
             filled += 1
@@ -186,44 +220,62 @@ class SharedKv:
             self.pending_bytes -= nbytes
 
     async def _write_blocks(self, todo, parents, tenant: str, public_blocks: int) -> None:
-        """Waits (briefly) until the blocks are in the host tier, copies them out of
-        their pinned slots with their checksums in a thread, then puts them."""
+        """Waits (briefly) until the blocks are in the host tier, then puts them while
+        their slots are pinned: the store reads them out of our shared memory, or
+        (another host) we copy them out with their checksums in a thread."""
         hashes = [h for _, h in todo]
-        got: list[tuple[int, bytes, int]] = []  # (hash, bytes, checksum)
+        index = {h: i for i, h in todo}
+        done = stored = 0
         for attempt in range(_EXPORT_TRIES):
-            pinned = await self.engine.export_begin(hashes[len(got) :])
+            pinned = await self.engine.export_begin(hashes[done:])
             if pinned:
                 try:
-                    got += await asyncio.to_thread(self._copy_out, pinned)
+                    stored += await self._put_pinned(pinned, index, parents, tenant, public_blocks)
                 finally:
                     await self.engine.export_end([s for _, s in pinned])
-            if len(got) == len(hashes) or attempt == _EXPORT_TRIES - 1:
+                done += len(pinned)
+            if done == len(hashes) or attempt == _EXPORT_TRIES - 1:
                 break
             await asyncio.sleep(_EXPORT_WAIT)
-        if len(got) < len(hashes):
-            self._dropped(len(hashes) - len(got), "not_local")
-        index = {h: i for i, h in todo}
-        stored = 0
-        # the public prefix's blocks belong to the public namespace, the rest to the tenant
-        for owner, part in (
-            (PUBLIC_NAMESPACE, [b for b in got if index[b[0]] < public_blocks]),
-            (tenant, [b for b in got if index[b[0]] >= public_blocks]),
-        ):
-            if not part:
-                continue
-            blocks = [(h, parents[index[h]], data, checksum) for h, data, checksum in part]
-            done = await self.client.put(owner, blocks)
-            if done == len(part):
-                for h, _, _ in part:
-                    self._remember(h)
-            else:
-                self._dropped(len(part) - done, "store")
-            stored += done
+        if done < len(hashes):
+            self._dropped(len(hashes) - done, "not_local")
         nbytes = stored * self.block_bytes
         self.stats.written_blocks += stored
         self.stats.written_bytes += nbytes
         metrics.KV_SHARED_WRITTEN_BLOCKS.labels(worker=self.worker_id).inc(stored)
         metrics.KV_SHARED_BYTES.labels(worker=self.worker_id, direction="out").inc(nbytes)
+
+    async def _put_pinned(self, pinned, index, parents, tenant: str, public_blocks: int) -> int:
+        stored = 0
+        # the public prefix's blocks belong to the public namespace, the rest to the tenant
+        for owner, part in (
+            (PUBLIC_NAMESPACE, [p for p in pinned if index[p[0]] < public_blocks]),
+            (tenant, [p for p in pinned if index[p[0]] >= public_blocks]),
+        ):
+            if not part:
+                continue
+            done = None
+            if self.region is not None:
+                refs = [(h, parents[index[h]], slot * self.block_bytes) for h, slot in part]
+                done = await self.client.put_from(owner, self.region, self.block_bytes, refs)
+                if done is None:
+                    self._no_region()
+            if done is None:
+                copies = await asyncio.to_thread(self._copy_out, part)
+                blocks = [(h, parents[index[h]], data, c) for h, data, c in copies]
+                done = await self.client.put(owner, blocks)
+            if done == len(part):
+                for h, _ in part:
+                    self._remember(h)
+            else:
+                self._dropped(len(part) - done, "store")
+            stored += done
+        return stored
+
+    def _no_region(self) -> None:
+        logger.info("the KV store cannot map this worker's host tier (another host?); "
+                    "blocks go by value")  # fmt: skip
+        self.region = None
 
     def _copy_out(self, pinned: list[tuple[int, int]]) -> list[tuple[int, bytes, int]]:
         out = []

@@ -9,7 +9,9 @@ from services.common.errors import InvalidRequest
 from services.common.grpc_streams import answer_at_once
 from services.common.kv_index import GPU, HOST, SHARED
 from services.common.telemetry import context_from_grpc, tracer
+from services.kvstore import same_host
 from services.kvstore.fingerprint import Fingerprint
+from services.kvstore.regions import Regions
 from services.kvstore.store import KvStore
 
 _tracer = tracer("yinian.kvstore")
@@ -38,9 +40,27 @@ def _span(name: str, context, tenant: str, blocks: int = 0):
     )
 
 
+def region_of(request) -> same_host.Region:
+    if not request.HasField("region") or not request.region.path:
+        raise InvalidRequest("a shared region is required")
+    return same_host.Region(request.region.path, request.region.size, request.block_bytes)
+
+
+def _tally(out: kvstore_pb2.PutResponse, block_hash: int, outcome) -> None:
+    if outcome.status == "stored":
+        out.stored += 1
+    elif outcome.status == "present":
+        out.already_present += 1
+    else:
+        out.rejected += 1
+        out.reasons.append(f"{block_hash:016x}: {outcome.detail}")
+        out.rejected_hashes.append(block_hash)
+
+
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
-    def __init__(self, store: KvStore):
+    def __init__(self, store: KvStore, regions: Regions | None = None):
         self.store = store
+        self.regions = regions or Regions()
 
     async def Lookup(self, request, context):
         with _span("kvstore.lookup", context, request.tenant, len(request.block_hashes)) as span:
@@ -75,14 +95,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     block.data,
                     block.checksum,
                 )
-                if outcome.status == "stored":
-                    out.stored += 1
-                elif outcome.status == "present":
-                    out.already_present += 1
-                else:
-                    out.rejected += 1
-                    out.reasons.append(f"{block.block_hash:016x}: {outcome.detail}")
-                    out.rejected_hashes.append(block.block_hash)
+                _tally(out, block.block_hash, outcome)
                 span.set_attribute("yinian.tenant", block.tenant)
             span.set_attribute("yinian.stored_blocks", out.stored)
             span.set_attribute("yinian.rejected_blocks", out.rejected)
@@ -114,6 +127,30 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         finally:
             span.set_attribute("yinian.served_blocks", served)
             span.end()
+
+    async def PutFrom(self, request, context):
+        with _span("kvstore.put_from", context, request.tenant, len(request.blocks)) as span:
+            blocks = [(b.block_hash, b.parent_hash, b.offset) for b in request.blocks]
+            results = await same_host.put_from(
+                self.store, self.regions, request.tenant, fingerprint_of(request),
+                region_of(request), blocks,
+            )  # fmt: skip
+            out = kvstore_pb2.PutResponse()
+            for block_hash, outcome in results:
+                _tally(out, block_hash, outcome)
+            span.set_attribute("yinian.stored_blocks", out.stored)
+            return out
+
+    async def GetInto(self, request, context):
+        with _span("kvstore.get_into", context, request.tenant, len(request.block_hashes)) as span:
+            written = await same_host.get_into(
+                self.store, self.regions, request.tenant, fingerprint_of(request),
+                region_of(request), list(request.block_hashes), list(request.offsets),
+            )  # fmt: skip
+            span.set_attribute("yinian.served_blocks", len(written))
+            return kvstore_pb2.GetIntoResponse(
+                parent_hashes=[p for p, _ in written], checksums=[c for _, c in written]
+            )
 
     async def Stats(self, request, context):
         tenant = request.tenant if request.HasField("tenant") else None

@@ -185,3 +185,59 @@ class StatsResponse(_message.Message):
     index_host_blocks: int
     index_workers: int
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., shared_tier_enabled: _Optional[bool] = ..., redis_up: _Optional[bool] = ..., shared_blocks: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_latency_mean_ms: _Optional[float] = ..., redis_latency_p99_ms: _Optional[float] = ..., index_gpu_blocks: _Optional[int] = ..., index_host_blocks: _Optional[int] = ..., index_workers: _Optional[int] = ...) -> None: ...
+
+class SharedRegion(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class RegionBlock(_message.Message):
+    __slots__ = ("block_hash", "parent_hash", "offset")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    parent_hash: int
+    offset: int
+    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PutFromRequest(_message.Message):
+    __slots__ = ("tenant", "fingerprint", "region", "block_bytes", "blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    fingerprint: ModelFingerprint
+    region: SharedRegion
+    block_bytes: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RegionBlock]
+    def __init__(self, tenant: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., region: _Optional[_Union[SharedRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RegionBlock, _Mapping]]] = ...) -> None: ...
+
+class GetIntoRequest(_message.Message):
+    __slots__ = ("tenant", "fingerprint", "region", "block_bytes", "block_hashes", "offsets")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    fingerprint: ModelFingerprint
+    region: SharedRegion
+    block_bytes: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., region: _Optional[_Union[SharedRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetIntoResponse(_message.Message):
+    __slots__ = ("parent_hashes", "checksums")
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    parent_hashes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent_hashes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -54,6 +54,16 @@ class KvStoreStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PutFrom = channel.unary_unary(
+                '/yinian.v1.KvStore/PutFrom',
+                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutFromRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.GetInto = channel.unary_unary(
+                '/yinian.v1.KvStore/GetInto',
+                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.FromString,
+                _registered_method=True)
 
 
 class KvStoreServicer:
@@ -88,6 +98,22 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutFrom(self, request, context):
+        """The same-host data plane: the store reads the blocks out of (or writes them
+        into) the caller's host tier, a file in shared memory, so their bytes never
+        pass through the caller's process. A region the store cannot open is
+        FAILED_PRECONDITION (another host: use Put and Get).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInto(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +136,16 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'PutFrom': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutFrom,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutFromRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'GetInto': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInto,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +256,60 @@ class KvStore:
             '/yinian.v1.KvStore/Stats',
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutFrom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.KvStore/PutFrom',
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutFromRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInto(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.KvStore/GetInto',
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.FromString,
             options,
             channel_credentials,
             insecure,

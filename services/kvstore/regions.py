@@ -1,0 +1,84 @@
+"""Workers' host tiers as the KV store maps them: shared-memory files on this
+host (engine/host_memory.py), opened once and kept mapped, so that PutFrom
+reads a block's bytes straight out of a worker's host tier and GetInto writes
+them straight in. Only files named like a host tier, in the shared-memory
+folder, of the size the caller says, are opened; every block must lie inside.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from services.common.errors import FailedPrecondition, InvalidRequest
+
+PREFIX = "yinian-kv-"
+_MAX_OPEN = 64
+
+
+class RegionUnavailable(FailedPrecondition):
+    """The region is not on this host (or not readable here)."""
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get("YINIAN_SHM_DIR", "/dev/shm"))
+
+
+class Regions:
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder or shm_dir()
+        self._open: OrderedDict[tuple[str, int], tuple[mmap.mmap, int]] = OrderedDict()
+
+    def view(self, path: str, size: int, offset: int, length: int) -> memoryview:
+        """`length` bytes at `offset` of the region, readable and writable."""
+        if length <= 0 or offset < 0 or offset + length > size:
+            raise InvalidRequest(f"block [{offset}, {offset + length}) outside the region")
+        return memoryview(self._map(path, size))[offset : offset + length]
+
+    def _map(self, path: str, size: int) -> mmap.mmap:
+        target = Path(path)
+        if target.parent != self.folder or not target.name.startswith(PREFIX):
+            raise InvalidRequest(f"{path} is not a host tier in {self.folder}")
+        key = (path, size)
+        entry = self._open.get(key)
+        if entry is not None:
+            mapped, ino = entry
+            if _inode(target) == ino:  # not removed and made again by another worker
+                self._open.move_to_end(key)
+                return mapped
+            self._close(key)
+        try:
+            fd = os.open(target, os.O_RDWR)
+        except OSError as exc:
+            raise RegionUnavailable(f"cannot open {path} here ({exc})") from exc
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size != size:
+                raise RegionUnavailable(f"{path} holds {stat.st_size} bytes, not {size}")
+            mapped = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._open[key] = (mapped, stat.st_ino)
+        while len(self._open) > _MAX_OPEN:
+            self._close(next(iter(self._open)))
+        return mapped
+
+    def _close(self, key) -> None:
+        mapped, _ = self._open.pop(key)
+        try:
+            mapped.close()
+        except BufferError:  # a view is still in use; the map goes when it does
+            pass
+
+    def close(self) -> None:
+        for key in list(self._open):
+            self._close(key)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
