@@ -56,9 +56,11 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}
         self.events = KVEvents()
         # Blocks that became free while cached, for the host tier to back up (kept only
-        # while one is attached; with `backup_reused_only`, only blocks a prompt has hit).
+        # while one is attached).
         self.track_newly_free = False
-        self.backup_reused_only = False
+        # Or, with `track_evicted`: reused blocks being evicted, for a write-back.
+        self.track_evicted = False
+        self._evicted: list[tuple[int, int]] = []  # (block id, hash)
         self._newly_free: list[KVBlock] = []
 
     @property
@@ -86,6 +88,8 @@ class BlockPool:
         out = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
+            if self.track_evicted and block.reused and block.block_hash is not None:
+                self._evicted.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -109,8 +113,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
                 if self.track_newly_free and block.block_hash is not None:
-                    if block.reused or not self.backup_reused_only:
-                        self._newly_free.append(block)
+                    self._newly_free.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
         """Publishes a full block under its chained hash so later prompts can reuse it."""
@@ -146,6 +149,12 @@ class BlockPool:
         """Cached blocks freed since the last call that are still cached now."""
         blocks, self._newly_free = self._newly_free, []
         return [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """(block id, hash) of the reused blocks evicted since the last call: their
+        contents stay valid until the next step runs."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def drain_events(self) -> KVEvents:
         events, self.events = self.events, KVEvents()

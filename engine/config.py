@@ -52,10 +52,11 @@ class EngineConfig:
     )
     host_kv_backup: str | None = setting(
         None,
-        "which blocks freed on the device the host tier copies: all, or reused (blocks a "
-        "prompt has hit at least once). Default: all when --host-kv-cache-gb is given or "
-        "the tier holds at least the device pool's blocks; reused otherwise, so that a tier "
-        "smaller than the device pool does not copy every request's KV only to evict it",
+        "what the host tier copies: all (every block the device frees, at once) or reused "
+        "(blocks a prompt has hit, when the device evicts them). Default: all when "
+        "--host-kv-cache-gb is given or the tier holds at least the device pool's blocks; "
+        "reused otherwise, so that a tier smaller than the device pool does not copy every "
+        "request's KV only to evict it",
         choices=_BACKUPS,
     )
     scheduling_policy: str = setting(

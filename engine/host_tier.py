@@ -10,6 +10,10 @@ scattered from) a staging buffer of the same layout on the device.
   copied to the host on a side stream, after the work already queued; each
   device block keeps a reference until its copy is done (`poll`), so it cannot
   be reused under the copy. Nothing waits for a backup.
+- `backup_evicted`: blocks the device pool is handing out again are gathered
+  on the compute stream before the step that overwrites them, then copied to
+  the host on the side stream (write-back: nothing moves until the device
+  needs the room).
 - `load`: host blocks a prompt hits are copied into freshly allocated device
   blocks on the compute stream, before the step that reads them.
 - `slot_bytes`: a host slot as a writable uint8 array over its pinned memory,
@@ -39,6 +43,7 @@ class _InFlight:
     stores: list[int] = field(default_factory=list)  # host slots being written
     device_blocks: list[KVBlock] = field(default_factory=list)  # referenced until done
     reads: list[int] = field(default_factory=list)  # host slots being read (pinned)
+    staging: object | None = None  # a device buffer the copies read, kept until done
 
 
 @dataclass(slots=True)
@@ -104,17 +109,58 @@ class HostTier:
         self.stats.bytes_to_host += len(pairs) * self.bytes_per_block
         return len(pairs)
 
+    def backup_evicted(self, evicted: list[tuple[int, int]], wait: bool = False) -> int:
+        """Copies blocks the device pool is evicting, [(device block id, hash)], to the
+        host. Their contents are gathered on the compute stream now, before any
+        later work there can overwrite the blocks, and go to the host on the side
+        stream; with `wait`, this returns once the gather is done (the blocks may
+        be written from outside the stream next). At most one staging buffer's
+        worth per call; returns how many copies started."""
+        pairs = []
+        for block_id, block_hash in evicted[: self.chunk]:
+            slot = self.pool.begin_store(block_hash)
+            if slot is not None:
+                pairs.append((block_id, slot))
+        if not pairs:
+            return 0
+        ids = torch.tensor([b for b, _ in pairs], device=self.device)
+        staging = self._gather(ids)
+        if self.side is None:
+            for row, (_, slot) in enumerate(pairs):
+                self.blocks[slot].copy_(staging[row])
+            event = None
+        else:
+            gathered = torch.cuda.Event()
+            gathered.record(torch.cuda.current_stream(self.device))
+            self.side.wait_event(gathered)
+            with torch.cuda.stream(self.side):
+                for row, (_, slot) in enumerate(pairs):
+                    self.blocks[slot].copy_(staging[row], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.side)
+            if wait:
+                gathered.synchronize()
+        self._inflight.append(_InFlight(event, [s for _, s in pairs], staging=staging))
+        self.stats.blocks_backed_up += len(pairs)
+        self.stats.bytes_to_host += len(pairs) * self.bytes_per_block
+        return len(pairs)
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks `ids` across every layer, [n, layers, *block], on the device."""
+        staging = torch.empty(
+            (len(ids), self.num_layers, *self.block_shape),
+            dtype=self.blocks.dtype,
+            device=self.device,
+        )
+        for layer, cache in enumerate(self.kv_caches):
+            staging[:, layer] = cache.index_select(0, ids)
+        return staging
+
     def _to_host(self, pairs: list[tuple[KVBlock, int]]) -> None:
         for start in range(0, len(pairs), self.chunk):
             part = pairs[start : start + self.chunk]
             ids = torch.tensor([b.block_id for b, _ in part], device=self.device)
-            staging = torch.empty(
-                (len(part), self.num_layers, *self.block_shape),
-                dtype=self.blocks.dtype,
-                device=self.device,
-            )
-            for layer, cache in enumerate(self.kv_caches):
-                staging[:, layer] = cache.index_select(0, ids)
+            staging = self._gather(ids)
             for row, (_, slot) in enumerate(part):
                 self.blocks[slot].copy_(staging[row], non_blocking=True)
 

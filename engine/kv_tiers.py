@@ -6,11 +6,13 @@ it finds how much of a prompt is already local, and pins host-tier slots for
 the worker to read (export) or fill (import) from its own threads: the engine
 thread only does the bookkeeping, never a copy.
 
-Which freed device blocks the host tier backs up: every one ("all"), or only
-those a prompt has hit ("reused"). The default is "all" when the tier was
-sized by hand or holds at least the device pool, "reused" otherwise: a tier
-smaller than the device pool would hold only what the device evicted last,
-and copying every request's KV there costs the device's steps for little.
+What the host tier copies: every block the device frees, at once ("all"), or
+the blocks a prompt has hit, when the device evicts them ("reused", a
+write-back). The default is "all" when the tier was sized by hand or holds at
+least the device pool, "reused" otherwise: a tier smaller than the device
+pool would hold only what the device evicted last, and copying every
+request's KV there costs the device's steps for little. The shared tier's
+writes copy the blocks they need on demand (`export_begin`).
 """
 
 from __future__ import annotations
@@ -65,14 +67,21 @@ class KVTiers:
             if num_blocks >= 1:
                 self.host = HostTier(kv_caches, num_blocks)
                 kv.host = self.host
-                kv.pool.track_newly_free = True
                 self.backup = backup_policy(config, num_blocks, kv.pool.num_usable_blocks)
-                kv.pool.backup_reused_only = self.backup == "reused"
+                kv.pool.track_newly_free = self.backup == "all"
+                kv.pool.track_evicted = self.backup == "reused"
 
     # -- the engine's side -----------------------------------------------------
-    def load_pending(self) -> None:
-        """Issues the host-to-device copies that the last allocations need."""
+    def load_pending(self, outside_writes: bool = False) -> None:
+        """Before a step: gathers the reused blocks the last allocations evicted (for
+        the host tier), then issues the host-to-device copies they need. With
+        `outside_writes` (blocks about to be filled from outside the stream, by a
+        KV transport), the gather is done before this returns."""
         if self.host is not None:
+            evicted = self.kv.pool.take_evicted()
+            if evicted:
+                self.host.poll(self.kv.pool)  # frees host slots for the backups
+                self.host.backup_evicted(evicted, wait=outside_writes)
             self.host.load(self.kv.take_loads())
 
     def housekeeping(self) -> bool:
@@ -123,7 +132,7 @@ class KVTiers:
     def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, host slot) of the leading `hashes` readable in the host tier, each
         slot pinned (never reused) until `export_end`; stops at the first one that
-        is not there (yet: a backup may still be in flight)."""
+        is not there yet, and starts copying the device's blocks of the rest."""
         out = []
         if self.host is None:
             return out
@@ -133,6 +142,16 @@ class KVTiers:
                 break
             self.host.pool.pin(slot)
             out.append((h, slot))
+        # The rest that are still on the device go to the host now (a side-stream copy
+        # that a later call finds done).
+        on_device = []
+        for h in hashes[len(out) :]:
+            block = self.kv.pool.lookup(h)
+            if block is None:
+                break
+            on_device.append(block)
+        if on_device and self.host.backup(on_device, self.kv.pool):
+            self.host.poll(self.kv.pool)  # on CPU they are done already
         return out
 
     def export_end(self, slots: list[int]) -> None:

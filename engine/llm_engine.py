@@ -274,7 +274,8 @@ class LLMEngine:
         reservation = self.disagg.reserve(state)
         if reservation is not None:
             self.requests[request_id] = state
-            self.tiers.load_pending()  # a prefix hit in the host tier: load it now
+            # a prefix hit in the host tier: load it now (the rest arrives from outside)
+            self.tiers.load_pending(outside_writes=True)
         return reservation
 
     def commit_remote(

@@ -74,12 +74,13 @@ def ttft_by_tier(mesh: Mesh, model: str, prompt: list[int], fillers: list[list[i
     a host tier that holds them, and a KV store writing everything through."""
     out = {"prompt_tokens": len(prompt)}
     out["none"] = _first_token(mesh, prompt, model)
-    time.sleep(1.0)  # the write-through of the prompt's blocks
+    out["settle_seconds"] = [_settle(mesh)]  # the prompt's blocks written through
     out["gpu"] = _first_token(mesh, prompt, model)
     for filler in fillers:  # pushes the prompt out of the device pool, into the host tier
         _first_token(mesh, filler, model)
+    out["settle_seconds"].append(_settle(mesh))
     out["host"] = _first_token(mesh, prompt, model)
-    time.sleep(1.0)
+    out["settle_seconds"].append(_settle(mesh))
     mesh.kill("worker-0")
     mesh.respawn("worker-0", timeout=1800)
     _wait_healthy(mesh)
@@ -92,6 +93,28 @@ def ttft_by_tier(mesh: Mesh, model: str, prompt: list[int], fillers: list[list[i
     none = out["none"]["ttft_ms"]
     out["speedup_over_none"] = {t: none / out[t]["ttft_ms"] for t in ("gpu", "host", "shared")}
     return out
+
+
+def _settle(mesh: Mesh, quiet: float = 1.0, timeout: float = 120.0) -> float:
+    """Waits until the worker's writes to the shared tier have stopped (no block
+    written or dropped for `quiet` seconds), so that each TTFT is its tier's alone;
+    returns the seconds waited."""
+    start = time.monotonic()
+
+    def count() -> float:
+        return sum(worker_metric(mesh, "yinian:kv_shared_written_blocks_total").values()) + sum(
+            worker_metric(mesh, "yinian:kv_shared_dropped_blocks_total").values()
+        )
+
+    last, since = count(), time.monotonic()
+    while time.monotonic() - start < timeout:
+        time.sleep(0.2)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+    return time.monotonic() - start
 
 
 def _wait_healthy(mesh: Mesh, timeout: float = 120.0) -> None:
