@@ -102,7 +102,7 @@ def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
         theirs = prompts(6, 96, seed=1)
         w = shared_kv(writer, folder, slow_store)
         for i, p in enumerate(theirs):
-            async for out in writer.generate(p, SamplingParams(max_tokens=1), f"t{i}"):
+            async for _out in writer.generate(p, SamplingParams(max_tokens=1), f"t{i}"):
                 pass
             w.write_through(p, [], "")
         await w.drain()
@@ -113,7 +113,7 @@ def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
         shared = shared_kv(llm, folder, slow_store)
         ours = prompts(6, 96, seed=2)
         for i, p in enumerate(ours):  # computed here, written through during a window
-            async for out in llm.generate(p, SamplingParams(max_tokens=1), f"o{i}"):
+            async for _out in llm.generate(p, SamplingParams(max_tokens=1), f"o{i}"):
                 pass
         steps = timed_steps(llm)
         quiet, busy, fetched = [], [], 0
