@@ -56,6 +56,7 @@ EXPECTED = {
     },
     "long_streams": {"ceilings": "ok", "colocated": "ok", "split": "ok"},
     "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "workload": "ok"},
+    "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",

@@ -24,6 +24,7 @@ SCRIPTS = (
     "serving",
     "mla",
     "kvstore",
+    "kv_serving",
     "experts",
     "parallel",
     "long_streams",

@@ -79,6 +79,14 @@ class KvIndex:
                 del self._holders[h]
 
     # -- queries -------------------------------------------------------------
+    def holds_any(self, holder: str, tier: str, block_hashes) -> bool:
+        blocks = self._blocks.get((holder, tier))
+        return bool(blocks) and any(h in blocks for h in block_hashes)
+
+    def synced(self, holder: str) -> bool:
+        """Whether the index follows `holder` now (a batch came, and no gap since)."""
+        return holder in self._last_event and holder not in self.needs_resync
+
     def matched_blocks(self, holder: str, block_hashes, tiers=(GPU,)) -> int:
         """How many leading blocks of a prompt `holder` has in any of `tiers`."""
         sets = [self._blocks.get((holder, t)) for t in tiers]

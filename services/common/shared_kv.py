@@ -36,6 +36,7 @@ from basis.block_hash import PUBLIC_NAMESPACE, hash_prompt_blocks
 from engine import AsyncLLM
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
+from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import tracer
 from services.common.worker_config import WRITE_THROUGH
 
@@ -65,6 +66,7 @@ class SharedKv:
         worker_id: str,
         policy: str = "selective",
         max_pending_bytes: int = 512 << 20,
+        index: KvIndex | None = None,
     ):
         if policy not in WRITE_THROUGH:
             raise ValueError(f"write-through policy must be one of {WRITE_THROUGH}, got {policy!r}")
@@ -77,6 +79,9 @@ class SharedKv:
         self.block_bytes = engine.facts.kv_block_bytes
         self.stats = SharedKvStats()
         self.pending_bytes = 0
+        # What the shared tier holds, from its events on NATS (the worker feeds it): a
+        # prompt whose first block is not there costs no call to the store at all.
+        self.index = index
         # The host tier's shared memory, which a KV store on this host reads and fills
         # itself (None: blocks go by value, through this process).
         self.region = engine.host_region
@@ -98,6 +103,9 @@ class SharedKv:
         hashes = hash_prompt_blocks(prompt_ids, self.block_size, tenant, public_tokens)[:limit]
         if not hashes or not self.engine.facts.has_host_tier:
             return 0
+        if self.index is not None and self.index.synced(SHARED_HOLDER):
+            if not self.index.holds_any(SHARED_HOLDER, SHARED, hashes):
+                return 0
         start = time.monotonic()
         # The store first: most prompts find nothing there, and then the engine's
         # thread is not asked anything.

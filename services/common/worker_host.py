@@ -22,8 +22,15 @@ from pathlib import Path
 from engine import AsyncLLM
 from proto.yinian.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
 from services.common import metrics
-from services.common.bus import KV_RESYNC_SUBJECT, EventBus, kv_subject, load_subject
+from services.common.bus import (
+    KV_RESYNC_SUBJECT,
+    SHARED_KV_SUBJECT,
+    EventBus,
+    kv_subject,
+    load_subject,
+)
 from services.common.grpc_server import GrpcServer
+from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
 from services.common.kvstore_client import KvStoreClient, fingerprint
 from services.common.rank_metrics import report_ranks
 from services.common.registration import Registration
@@ -34,6 +41,7 @@ from services.common.worker_reports import WorkerReports
 from services.common.worker_servicer import WorkerServicer, load_report
 
 logger = logging.getLogger(__name__)
+_SHARED_RESYNC = common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="worker follows the tier")
 
 
 def model_fingerprint(model: str, engine: AsyncLLM):
@@ -100,7 +108,7 @@ class WorkerHost:
             )  # fmt: skip
             self.shared = SharedKv(
                 self.engine, client, config.worker_id, config.kv_write_through,
-                max_pending_bytes=config.kv_write_queue_mb << 20,
+                max_pending_bytes=config.kv_write_queue_mb << 20, index=KvIndex(),
             )  # fmt: skip
             self.on_close(client.close)
             self.on_close(self.shared.drain)
@@ -153,6 +161,8 @@ class WorkerHost:
         ]
         if self.experts is not None:
             loops.append(asyncio.create_task(self.experts.run()))
+        if self.shared is not None:
+            await self._follow_shared_tier(bus)
         await self.server.serving(True)
         logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)
         print(f"READY worker {config.worker_id} {self.address}", flush=True)
@@ -190,6 +200,20 @@ class WorkerHost:
                            "other workers", self.config.worker_id, open_calls.count)  # fmt: skip
         else:
             logger.info("worker %s drained", self.config.worker_id)
+
+    async def _follow_shared_tier(self, bus: EventBus) -> None:
+        """Keeps the shared tier's index from the KV store's numbered events (asking it
+        for a snapshot now, and after any gap), so prefetch asks the store only for
+        prompts it may have."""
+        index = self.shared.index
+
+        async def on_shared(events: common_pb2.SharedKvEvents, headers) -> None:
+            changes = {SHARED: (events.stored, events.removed)}
+            if not index.apply(SHARED_HOLDER, events.event_id, changes, events.reset):
+                await bus.publish(KV_RESYNC_SUBJECT, _SHARED_RESYNC)
+
+        await bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, on_shared)
+        await bus.publish(KV_RESYNC_SUBJECT, _SHARED_RESYNC)
 
     async def _report_load(self, bus: EventBus) -> None:
         labels = {"worker": self.config.worker_id}
