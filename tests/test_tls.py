@@ -71,7 +71,11 @@ def test_mesh_with_mutual_tls_refuses_clients_without_a_certificate(tmp_path, mo
         )
         assert list(models.models) == ["tiny-llama"]
 
-        # The workers' link to the KV store: the prompt's blocks were written through.
+        # The workers' link to the KV store: the prompt, sent again, is a prefix hit, and
+        # the default (selective) policy writes the blocks it reused through.
+        resp = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60,
+                          verify=mesh.ssl_context())  # fmt: skip
+        assert resp.status_code == 200, resp.text
         store = kvstore_pb2_grpc.KvStoreStub(sync_channel(mesh.kvstore_address, tls))
         deadline = time.monotonic() + 15
         while store.Stats(kvstore_pb2.StatsRequest(), timeout=5).shared_blocks == 0:
