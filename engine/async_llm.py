@@ -167,6 +167,12 @@ class AsyncLLM:
             lambda e: e.tiers.cached_prefix_blocks(prompt_ids, namespace, public_tokens)
         )
 
+    def peek_cached_prefix(self, hashes: list[int]) -> int:
+        """How many leading block `hashes` the device or host tier holds, read in the
+        caller's thread without waiting for a step: membership tests only, an
+        estimate that may be a step old (admission finds the real prefix)."""
+        return self._engine.tiers.peek_prefix_blocks(hashes)
+
     async def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, host slot) of the leading `hashes` in the host tier, pinned until
         `export_end`; read them with `host_slot_bytes` from any thread."""

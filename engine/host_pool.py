@@ -46,6 +46,11 @@ class HostBlockPool:
             self._lru.move_to_end(slot)
         return slot
 
+    def holds(self, block_hash: int) -> bool:
+        """Readable here (like `lookup`, but changes nothing: safe from any thread)."""
+        slot = self._slot_of.get(block_hash)
+        return slot is not None and slot not in self._writing
+
     def contains(self, block_hash: int) -> bool:
         """Held or being written (so a second copy of it is not started)."""
         return block_hash in self._slot_of

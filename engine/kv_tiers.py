@@ -129,6 +129,19 @@ class KVTiers:
             count += 1
         return count
 
+    def peek_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading `hashes` the device or host tier holds, read without
+        changing anything (no LRU move): membership tests only, so any thread may
+        call it; the answer may be a step old."""
+        device = self.kv.pool
+        host = self.host.pool if self.host is not None else None
+        count = 0
+        for h in hashes:
+            if device.lookup(h) is None and (host is None or not host.holds(h)):
+                break
+            count += 1
+        return count
+
     def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, host slot) of the leading `hashes` readable in the host tier, each
         slot pinned (never reused) until `export_end`; stops at the first one that

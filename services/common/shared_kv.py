@@ -86,6 +86,7 @@ class SharedKv:
         # itself (None: blocks go by value, through this process).
         self.region = engine.host_region
         self._written: OrderedDict[int, None] = OrderedDict()
+        self._queued: set[int] = set()  # in a write queued or in flight
         self._tasks: set[asyncio.Task] = set()
 
     # -- reads -------------------------------------------------------------------
@@ -103,17 +104,23 @@ class SharedKv:
         hashes = hash_prompt_blocks(prompt_ids, self.block_size, tenant, public_tokens)[:limit]
         if not hashes or not self.engine.facts.has_host_tier:
             return 0
+        start = time.monotonic()
         if self.index is not None and self.index.synced(SHARED_HOLDER):
+            # What the tier's events say it holds, against what is here already: a
+            # prompt the tier cannot extend costs no call to the store, nor a wait for
+            # the engine's next step.
             if not self.index.holds_any(SHARED_HOLDER, SHARED, hashes):
                 return 0
-        start = time.monotonic()
-        # The store first: most prompts find nothing there, and then the engine's
-        # thread is not asked anything.
-        shared = await self.client.lookup(tenant, hashes)
-        if shared == 0:
-            return 0
-        head = prompt_ids[: limit * self.block_size]
-        local = await self.engine.cached_prefix_blocks(head, tenant, public_tokens)
+            local = self.engine.peek_cached_prefix(hashes)
+            if self.index.matched_blocks(SHARED_HOLDER, hashes, (SHARED,)) <= local:
+                return 0
+            shared = await self.client.lookup(tenant, hashes)
+        else:
+            shared = await self.client.lookup(tenant, hashes)
+            if shared == 0:
+                return 0
+            head = prompt_ids[: limit * self.block_size]
+            local = await self.engine.cached_prefix_blocks(head, tenant, public_tokens)
         if shared <= local:
             return 0
         slots = await self.engine.import_begin(hashes[local:shared])
@@ -201,7 +208,9 @@ class SharedKv:
         else:
             tokens = prompt_ids if self.policy == "prefix" else prompt_ids + output_ids
             hashes = hash_prompt_blocks(tokens, self.block_size, tenant, public_tokens)
-        todo = [(i, h) for i, h in enumerate(hashes) if h not in self._written]
+        todo = [
+            (i, h) for i, h in enumerate(hashes) if h not in self._written and h not in self._queued
+        ]
         if not todo:
             return
         nbytes = len(todo) * self.block_bytes
@@ -209,6 +218,7 @@ class SharedKv:
             self._dropped(len(todo), "queue_full")
             return
         self.pending_bytes += nbytes
+        self._queued.update(h for _, h in todo)  # a later request for them waits for this one
         public = public_tokens // self.block_size
         parents = {i: hashes[i - 1] if i else 0 for i, _ in todo}
         task = asyncio.get_running_loop().create_task(
@@ -226,6 +236,7 @@ class SharedKv:
             logger.exception("shared-tier write failed")
         finally:
             self.pending_bytes -= nbytes
+            self._queued.difference_update(h for _, h in todo)
 
     async def _write_blocks(self, todo, parents, tenant: str, public_blocks: int) -> None:
         """Waits (briefly) until the blocks are in the host tier, then puts them while
