@@ -134,3 +134,25 @@ def test_bad_regions_are_refused_before_anything_is_stored(stub, tmp_path):
     assert _code(lambda: stub.PutFrom(request, timeout=10)) == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.Lookup(lookup, timeout=10).shared_prefix_blocks == 0
     a.close()
+
+
+def test_a_removed_region_is_unmapped_when_the_next_one_is_mapped(tmp_path):
+    """A worker's file, once removed (it stopped, or a new worker replaced it), is not
+    kept alive by the store's mapping of it."""
+    from services.kvstore.regions import Regions
+
+    regions = Regions(tmp_path)
+    first, second = tmp_path / "yinian-kv-1-a", tmp_path / "yinian-kv-2-b"
+    for path in (first, second):
+        path.write_bytes(b"\1" * BLOCK)
+    assert bytes(regions.view(str(first), BLOCK, 0, 4)) == b"\1" * 4
+    assert str(first) in _mapped()
+    first.unlink()
+    regions.view(str(second), BLOCK, 0, 4)
+    assert str(first) not in _mapped() and str(second) in _mapped()
+    regions.close()
+
+
+def _mapped() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()

@@ -49,6 +49,7 @@ class Regions:
                 self._open.move_to_end(key)
                 return mapped
             self._close(key)
+        self._drop_removed()
         try:
             fd = os.open(target, os.O_RDWR)
         except OSError as exc:
@@ -64,6 +65,13 @@ class Regions:
         while len(self._open) > _MAX_OPEN:
             self._close(next(iter(self._open)))
         return mapped
+
+    def _drop_removed(self) -> None:
+        """Unmaps the regions whose file is gone (a worker that stopped or was replaced):
+        a mapping would keep a removed file's memory alive."""
+        for key, (_, ino) in list(self._open.items()):
+            if _inode(Path(key[0])) != ino:
+                self._close(key)
 
     def _close(self, key) -> None:
         mapped, _ = self._open.pop(key)
