@@ -156,3 +156,26 @@ def test_a_removed_region_is_unmapped_when_the_next_one_is_mapped(tmp_path):
 def _mapped() -> str:
     with open("/proc/self/maps") as f:
         return f.read()
+
+
+def test_the_store_leaves_a_region_alone_near_the_callers_deadline(stub):
+    """The caller may reuse its slots once its deadline passes: a call whose deadline
+    is already within the store's margin touches nothing."""
+    a, b = region(), region()
+    a.tensor.random_(0, 256)
+    b.tensor.fill_(3)
+    hashes = chain(2, start=701)
+    blocks = [kvstore_pb2.RegionBlock(block_hash=h, offset=i * BLOCK) for i, h in enumerate(hashes)]
+    late = kvstore_pb2.PutFromRequest(tenant="t3", fingerprint=WIRE_FP, region=wire(a),
+                                      block_bytes=BLOCK, blocks=blocks)  # fmt: skip
+    assert stub.PutFrom(late, timeout=0.8).stored == 0
+    assert put_from(stub, a, "t3", hashes, [0, 1]).stored == 2
+    request = kvstore_pb2.GetIntoRequest(
+        tenant="t3", fingerprint=WIRE_FP, region=wire(b), block_bytes=BLOCK,
+        block_hashes=hashes, offsets=[0, BLOCK],
+    )  # fmt: skip
+    assert list(stub.GetInto(request, timeout=0.8).checksums) == []
+    assert torch.all(b.tensor == 3)
+    assert len(stub.GetInto(request, timeout=10).checksums) == 2
+    a.close()
+    b.close()

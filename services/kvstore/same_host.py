@@ -17,6 +17,15 @@ from services.kvstore.regions import Regions
 from services.kvstore.shared_tier import PutOutcome
 from services.kvstore.store import KvStore, check_hashes, check_tenant
 
+# The caller unpins its slots (and may reuse them) once its deadline passes: the store
+# stops touching them this long before.
+DEADLINE_MARGIN = 1.0
+
+
+def _time_left(remaining) -> bool:
+    left = remaining() if remaining is not None else None
+    return left is None or left > DEADLINE_MARGIN
+
 
 @dataclass(frozen=True, slots=True)
 class Region:
@@ -43,13 +52,17 @@ async def put_from(
     fingerprint: Fingerprint,
     region: Region,
     blocks: list[tuple[int, int, int]],
+    remaining=None,
 ) -> list[tuple[int, PutOutcome]]:
-    """Stores (hash, parent, offset) blocks read from the region; (hash, outcome) each."""
+    """Stores (hash, parent, offset) blocks read from the region; (hash, outcome) of
+    each stored before the caller's deadline came near (`remaining()`: seconds left)."""
     check_tenant(tenant)
     _check(store, region, [offset for _, _, offset in blocks])
     views = [regions.view(region.path, region.size, o, region.block_bytes) for _, _, o in blocks]
     out = []
     for (block_hash, parent, _), data in zip(blocks, views):
+        if not _time_left(remaining):
+            break
         outcome = await store.put(
             tenant, fingerprint, block_hash, parent, data, block_checksum(data)
         )
@@ -65,9 +78,11 @@ async def get_into(
     region: Region,
     hashes: list[int],
     offsets: list[int],
+    remaining=None,
 ) -> list[tuple[int, int]]:
     """Writes the leading blocks the shared tier serves into the region at their
-    offsets; (parent hash, checksum) of each written."""
+    offsets, while the caller's deadline is not near; (parent hash, checksum) of each
+    written."""
     check_tenant(tenant)
     if len(offsets) != len(hashes):
         raise InvalidRequest(f"{len(hashes)} block hashes but {len(offsets)} offsets")
@@ -76,8 +91,8 @@ async def get_into(
     out: list[tuple[int, int]] = []
     async with aclosing(store.get(tenant, fingerprint, hashes)) as blocks:
         async for block in blocks:
-            if len(block.payload) != region.block_bytes:
-                break  # another layout's block under this fingerprint: a miss
+            if len(block.payload) != region.block_bytes or not _time_left(remaining):
+                break  # another layout's block under this fingerprint (a miss), or late
             views[len(out)][:] = block.payload
             out.append((block.parent_hash, block.checksum))
     return out

@@ -133,7 +133,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             blocks = [(b.block_hash, b.parent_hash, b.offset) for b in request.blocks]
             results = await same_host.put_from(
                 self.store, self.regions, request.tenant, fingerprint_of(request),
-                region_of(request), blocks,
+                region_of(request), blocks, context.time_remaining,
             )  # fmt: skip
             out = kvstore_pb2.PutResponse()
             for block_hash, outcome in results:
@@ -146,6 +146,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             written = await same_host.get_into(
                 self.store, self.regions, request.tenant, fingerprint_of(request),
                 region_of(request), list(request.block_hashes), list(request.offsets),
+                context.time_remaining,
             )  # fmt: skip
             span.set_attribute("yinian.served_blocks", len(written))
             return kvstore_pb2.GetIntoResponse(
