@@ -61,7 +61,10 @@ class UpProcess:
                 argv = open(f"/proc/{pid}/cmdline").read().split("\0")
             except OSError:
                 continue
-            name = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else argv[2]
+            if "--worker-id" in argv:
+                name = argv[argv.index("--worker-id") + 1]
+            else:  # `python -m MODULE ...`; a process that renamed itself (redis-server)
+                name = argv[2] if len(argv) > 2 else argv[0]
             out[name] = int(pid)
         return out
 
