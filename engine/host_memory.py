@@ -23,12 +23,9 @@ from pathlib import Path
 
 import torch
 
+from basis.host_regions import PREFIX, shm_dir
+
 logger = logging.getLogger(__name__)
-PREFIX = "yinian-kv-"
-
-
-def shm_dir() -> Path:
-    return Path(os.environ.get("YINIAN_SHM_DIR", "/dev/shm"))
 
 
 @dataclass
@@ -57,7 +54,8 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> HostMemo
     folder = shm_dir()
     try:
         remove_stale(folder)
-        if os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < nbytes:
+        space = os.statvfs(folder)
+        if space.f_bavail * space.f_frsize < nbytes:
             raise OSError(f"{folder} has less than {nbytes} bytes free")
         path = folder / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tensor = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype)

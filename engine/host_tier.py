@@ -104,10 +104,7 @@ class HostTier:
         else:
             self._to_host(pairs)
             event = None
-        self._inflight.append(_InFlight(event, [s for _, s in pairs], [b for b, _ in pairs]))
-        self.stats.blocks_backed_up += len(pairs)
-        self.stats.bytes_to_host += len(pairs) * self.bytes_per_block
-        return len(pairs)
+        return self._started(_InFlight(event, [s for _, s in pairs], [b for b, _ in pairs]))
 
     def backup_evicted(self, evicted: list[tuple[int, int]], wait: bool = False) -> int:
         """Copies blocks the device pool is evicting, [(device block id, hash)], to the
@@ -123,27 +120,35 @@ class HostTier:
                 pairs.append((block_id, slot))
         if not pairs:
             return 0
-        ids = torch.tensor([b for b, _ in pairs], device=self.device)
-        staging = self._gather(ids)
+        slots = [s for _, s in pairs]
+        staging = self._gather(torch.tensor([b for b, _ in pairs], device=self.device))
+        event = None
         if self.side is None:
-            for row, (_, slot) in enumerate(pairs):
-                self.blocks[slot].copy_(staging[row])
-            event = None
+            self._copy_rows(staging, slots)
         else:
             gathered = torch.cuda.Event()
             gathered.record(torch.cuda.current_stream(self.device))
             self.side.wait_event(gathered)
             with torch.cuda.stream(self.side):
-                for row, (_, slot) in enumerate(pairs):
-                    self.blocks[slot].copy_(staging[row], non_blocking=True)
+                self._copy_rows(staging, slots)
                 event = torch.cuda.Event()
                 event.record(self.side)
             if wait:
                 gathered.synchronize()
-        self._inflight.append(_InFlight(event, [s for _, s in pairs], staging=staging))
-        self.stats.blocks_backed_up += len(pairs)
-        self.stats.bytes_to_host += len(pairs) * self.bytes_per_block
-        return len(pairs)
+        return self._started(_InFlight(event, slots, staging=staging))
+
+    def _started(self, op: _InFlight) -> int:
+        """Tracks copies to the host until `poll` finds them done; how many started."""
+        self._inflight.append(op)
+        self.stats.blocks_backed_up += len(op.stores)
+        self.stats.bytes_to_host += len(op.stores) * self.bytes_per_block
+        return len(op.stores)
+
+    def _copy_rows(self, staging: torch.Tensor, slots: list[int]) -> None:
+        """Row i of a gathered staging buffer into host slot slots[i] (on the current
+        stream, without waiting, on CUDA)."""
+        for row, slot in enumerate(slots):
+            self.blocks[slot].copy_(staging[row], non_blocking=self.side is not None)
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks `ids` across every layer, [n, layers, *block], on the device."""
@@ -160,9 +165,7 @@ class HostTier:
         for start in range(0, len(pairs), self.chunk):
             part = pairs[start : start + self.chunk]
             ids = torch.tensor([b.block_id for b, _ in part], device=self.device)
-            staging = self._gather(ids)
-            for row, (_, slot) in enumerate(part):
-                self.blocks[slot].copy_(staging[row], non_blocking=True)
+            self._copy_rows(self._gather(ids), [slot for _, slot in part])
 
     # -- host -> device ----------------------------------------------------------
     def load(self, pairs: list[tuple[int, int]]) -> None:

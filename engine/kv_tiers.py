@@ -57,7 +57,6 @@ class KVTiers:
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
-        self.backup = "off"
         # Without prefix caching nothing could ever hit the host tier. A parallel engine's
         # rank 0 holds only its part of each block (its heads, its stage's layers), so
         # the tiers below the device, which would move only that part, are off there.
@@ -67,9 +66,9 @@ class KVTiers:
             if num_blocks >= 1:
                 self.host = HostTier(kv_caches, num_blocks)
                 kv.host = self.host
-                self.backup = backup_policy(config, num_blocks, kv.pool.num_usable_blocks)
-                kv.pool.track_newly_free = self.backup == "all"
-                kv.pool.track_evicted = self.backup == "reused"
+                policy = backup_policy(config, num_blocks, kv.pool.num_usable_blocks)
+                kv.pool.track_newly_free = policy == "all"
+                kv.pool.track_evicted = policy == "reused"
 
     # -- the engine's side -----------------------------------------------------
     def load_pending(self, outside_writes: bool = False) -> None:

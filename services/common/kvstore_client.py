@@ -138,7 +138,7 @@ class KvStoreClient:
         request = kvstore_pb2.PutFromRequest(
             tenant=tenant,
             fingerprint=self.model,
-            region=kvstore_pb2.SharedRegion(path=region[0], size=region[1]),
+            region=_region(region),
             block_bytes=block_bytes,
             blocks=[
                 kvstore_pb2.RegionBlock(block_hash=h, parent_hash=p, offset=o) for h, p, o in blocks
@@ -167,7 +167,7 @@ class KvStoreClient:
         request = kvstore_pb2.GetIntoRequest(
             tenant=tenant,
             fingerprint=self.model,
-            region=kvstore_pb2.SharedRegion(path=region[0], size=region[1]),
+            region=_region(region),
             block_bytes=block_bytes,
             block_hashes=hashes,
             offsets=offsets,
@@ -185,6 +185,10 @@ class KvStoreClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def _region(region: tuple[str, int]) -> kvstore_pb2.SharedRegion:
+    return kvstore_pb2.SharedRegion(path=region[0], size=region[1])
 
 
 def _verified(received, hashes: list[int]) -> list[tuple[int, int, bytes]]:

@@ -114,11 +114,12 @@ class SharedKv:
             local = self.engine.peek_cached_prefix(hashes)
             if self.index.matched_blocks(SHARED_HOLDER, hashes, (SHARED,)) <= local:
                 return 0
-            shared = await self.client.lookup(tenant, hashes)
         else:
-            shared = await self.client.lookup(tenant, hashes)
-            if shared == 0:
-                return 0
+            local = None
+        shared = await self.client.lookup(tenant, hashes)
+        if shared == 0:
+            return 0
+        if local is None:  # not known yet: ask the engine, between its steps
             head = prompt_ids[: limit * self.block_size]
             local = await self.engine.cached_prefix_blocks(head, tenant, public_tokens)
         if shared <= local:

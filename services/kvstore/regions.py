@@ -12,18 +12,14 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
+from basis.host_regions import PREFIX, shm_dir
 from services.common.errors import FailedPrecondition, InvalidRequest
 
-PREFIX = "yinian-kv-"
 _MAX_OPEN = 64
 
 
 class RegionUnavailable(FailedPrecondition):
     """The region is not on this host (or not readable here)."""
-
-
-def shm_dir() -> Path:
-    return Path(os.environ.get("YINIAN_SHM_DIR", "/dev/shm"))
 
 
 class Regions:
