@@ -18,6 +18,7 @@ writes copy the blocks they need on demand (`export_begin`).
 from __future__ import annotations
 
 from basis.block_hash import hash_prompt_blocks
+from basis.host_regions import available_host_gb
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
 from engine.host_tier import HostTier
@@ -25,17 +26,6 @@ from engine.kv_cache_manager import KVCacheManager
 
 DEFAULT_FRACTION = 0.2  # of the host memory available at start-up
 DEFAULT_CAP_GB = 16.0
-
-
-def available_host_gb() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    return 0.0
 
 
 def host_tier_gb(config: EngineConfig) -> float:

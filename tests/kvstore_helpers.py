@@ -45,6 +45,7 @@ class Harness:
     events: SharedEventLog
     index: GlobalIndex
     seen: list = field(default_factory=list)
+    spiller: object = None
 
     async def put(self, tenant: str, h: int, seed: int | None = None, parent: int = 0, fp=FP):
         data = payload(h if seed is None else seed)
@@ -54,7 +55,10 @@ class Harness:
         return [b async for b in self.store.get(tenant, fp, hashes)]
 
     async def close(self) -> None:
-        await self.tier.guard.close()
+        if self.tier is not None:
+            await self.tier.guard.close()
+        if self.store.memory is not None:
+            self.store.memory.close()
 
     async def __aenter__(self) -> Harness:
         return self
@@ -83,6 +87,26 @@ def harness(
     )
     index = GlobalIndex()
     return Harness(KvStore(tier, index, ledger), tier, ledger, events, index)
+
+
+def memory_harness(url: str, memory_blocks: int, quota_blocks: int = 0, spill_mb: int = 64,
+                   **settings) -> Harness:  # fmt: skip
+    """A store whose memory tier holds `memory_blocks` blocks of PAYLOAD_BYTES in
+    front of Redis (url; "" for none), wired as the KV store service wires it."""
+    from services.kvstore.config import KvStoreConfig
+    from services.kvstore.tiers import build_tiers
+
+    config = KvStoreConfig(
+        redis_url=url, memory_tier_bytes=memory_blocks * PAYLOAD_BYTES, copy_threads=2,
+        tenant_quota_bytes=quota_blocks * PAYLOAD_BYTES, memory_spill_queue_bytes=spill_mb << 20,
+        **settings,
+    )  # fmt: skip
+    ledger, events = Ledger(), SharedEventLog()
+    tier, memory, spiller = build_tiers(config, ledger, events)
+    h = Harness(KvStore(tier, GlobalIndex(), ledger, memory=memory), tier, ledger, events,
+                GlobalIndex())  # fmt: skip
+    h.spiller = spiller
+    return h
 
 
 def run(coro):

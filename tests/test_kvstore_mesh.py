@@ -1,5 +1,6 @@
 """The KV store in the mesh, with real processes, a real Redis and NATS: a new
-worker serves the next turn of a conversation from the shared tier; damaged
+worker serves the next turn of a conversation from the shared tier (Redis, and
+the store's memory tier in front of it, as `yinian up` starts it); damaged
 blocks are caught and recomputed; Redis going away costs hits, never
 requests; a lost KV event is repaired by a resync; tenants never read each
 other's blocks. Every answer equals the engine's without any cache."""
@@ -31,11 +32,8 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def mesh(model_dir, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
-    spec = MeshSpec(
+def _spec(model_dir, keys, kvstore_argv) -> MeshSpec:
+    return MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=1,
         port=free_port(),
@@ -43,8 +41,28 @@ def mesh(model_dir, tmp_path_factory):
         engine_argv=["--device", "cpu", "--dtype", "float32"],
         worker_argv=["--kv-write-through", "all", "--load-interval", "0.2"],
         kvstore=True,
+        kvstore_argv=kvstore_argv,
     )
-    with Mesh(spec) as m:
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, keys):
+    # Redis alone: these tests read and damage the blocks in Redis
+    with Mesh(_spec(model_dir, keys, ["--memory-tier-bytes", "0"])) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def memory_mesh(model_dir, keys):
+    # the store as `yinian up` starts it: its memory tier in front of Redis
+    with Mesh(_spec(model_dir, keys, [])) as m:
         yield m
 
 
@@ -102,11 +120,13 @@ def fetched_tokens(mesh) -> float:
     return sum(worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values())
 
 
-def test_next_turn_on_a_new_worker_is_served_from_redis(mesh, reference):
+@pytest.mark.parametrize("store", ["redis", "memory tier"])
+def test_next_turn_on_a_new_worker_is_served_from_the_shared_tier(request, store, reference):
+    mesh = request.getfixturevalue("mesh" if store == "redis" else "memory_mesh")
     turn1 = random_prompts(500, (90,), seed=101)[0]
     text1, out1 = expect(reference, turn1)
     assert complete(mesh, turn1)["choices"][0]["text"] == text1
-    wait_until(lambda: stored_blocks(mesh, "A") >= 6, what="the turn's blocks in Redis")
+    wait_until(lambda: stored_blocks(mesh, "A") >= 6, what="the turn's blocks stored")
     fresh_worker(mesh)
     turn2 = turn1 + out1 + random_prompts(500, (20,), seed=102)[0]
     text2, _ = expect(reference, turn2)

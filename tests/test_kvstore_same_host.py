@@ -1,7 +1,8 @@
 """The KV store's same-host data plane, against `python -m services.kvstore`
 with a real Redis: PutFrom stores blocks it reads out of a worker's host tier
 (a shared-memory file) and GetInto writes them into another, byte for byte;
-a request naming memory outside the region, or a file that is no host tier,
+with Redis alone and with the store's memory tier in front of it; a request
+naming memory outside the region, or a file that is no host tier,
 is INVALID_ARGUMENT and stores nothing; a region the store cannot open is
 FAILED_PRECONDITION (the worker then sends bytes)."""
 
@@ -30,11 +31,13 @@ BLOCK = 8192
 SLOTS = 6
 
 
-@pytest.fixture(scope="module")
-def stub():
+# Redis alone, and the store's memory tier in front of it
+@pytest.fixture(scope="module", params=[(), ("--memory-tier-bytes", str(64 * BLOCK))],
+                ids=["redis", "memory"])  # fmt: skip
+def stub(request):
     nats_proc, nats_url = start_nats()
     redis = RedisServer().start()
-    store = KvStoreProcess(nats_url, redis.url).wait_ready()
+    store = KvStoreProcess(nats_url, redis.url, *request.param).wait_ready()
     channel = grpc.insecure_channel(store.address)
     try:
         yield kvstore_pb2_grpc.KvStoreStub(channel)

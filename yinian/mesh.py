@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from basis.host_regions import default_store_memory_bytes
 from services.common.processes import (
     check_port_free,
     free_port,
@@ -271,6 +272,8 @@ class Mesh:
         argv = ["--host", self.spec.host, "--port", str(port), "--nats-url", self.nats_url]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
+        if "--memory-tier-bytes" not in self.spec.kvstore_argv:
+            argv += ["--memory-tier-bytes", str(default_store_memory_bytes())]
         return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv])
 
     def kill_redis(self) -> None:

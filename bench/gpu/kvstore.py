@@ -9,7 +9,7 @@ tiny sizes, or, with `--conversations 200 --turns 5`, the CPU acceptance run
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
-Sections: ceilings, host_load, ttft_by_tier, workload.
+Sections: ceilings, host_load, ttft_by_tier, cross_worker, workload.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import json
 
 from bench.gpu import ceilings
-from bench.gpu.kv_tiers import host_load, ttft_by_tier
+from bench.gpu.kv_tiers import cross_worker, host_load, ttft_by_tier
 from bench.gpu.kv_workload import Workload, run_workload
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
@@ -72,6 +72,20 @@ def tier_mesh(folder, setup: Setup, device: str) -> Mesh:
     return Mesh(spec).start(timeout=1800)
 
 
+def _cross_worker(folder, setup: Setup, device: str, prompt, warm) -> dict:
+    """Two workers of half the device memory each, the default store and write policy."""
+    argv = ["--device", device, "--dtype", setup.dtype, "--gpu-memory-utilization", "0.45"]
+    if setup.preset != "tiny-llama":
+        argv += ["--load-format", "dummy"]
+    spec = MeshSpec(model=str(folder), workers=2, port=free_port(), kvstore=True,
+                    engine_argv=argv)  # fmt: skip
+    mesh = Mesh(spec).start(timeout=1800)
+    try:
+        return cross_worker(mesh, setup.preset, prompt, warm)
+    finally:
+        mesh.stop()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--conversations", type=int)
@@ -97,12 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
         section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks))
         tok = load_tokenizer(folder)
         # enough fillers of the prompt's length to push it out of the device pool
-        count = 1 + setup.device_blocks * 16 // setup.prefix_len + 1
-        prompt, *fillers = [r.prompt for r in random_requests(
+        count = 2 + setup.device_blocks * 16 // setup.prefix_len + 1
+        prompt, warm, *fillers = [r.prompt for r in random_requests(
             tok, count, setup.prefix_len, 4, seed=7, prompt_format="ids")]  # fmt: skip
         mesh = section.resource(lambda: tier_mesh(folder, setup, device), Mesh.stop)
         section("ttft_by_tier",
-                lambda: ttft_by_tier(mesh(), setup.preset, prompt, fillers))  # fmt: skip
+                lambda: ttft_by_tier(mesh(), setup.preset, prompt, fillers, warm))  # fmt: skip
+        mesh.close()  # one mesh at a time
+        section("cross_worker",
+                lambda: _cross_worker(folder, setup, device, prompt, fillers[:4]))  # fmt: skip
         section(
             "workload",
             lambda: run_workload(
@@ -138,6 +155,11 @@ def print_table(results: dict) -> None:
             print(f"TTFT, prefix {tier:6}: {row['ttft_ms']:8.1f} ms, "
                   f"cached {row['cached_tokens']}")  # fmt: skip
         print("speed-up over none:", json.dumps(tiers["speedup_over_none"]))
+    cross = results.get("cross_worker") or {}
+    if "other" in cross:
+        print(f"TTFT, prefix computed on another worker: {cross['other']['ttft_ms']:.1f} ms "
+              f"(recompute {cross['none']['ttft_ms']:.1f} ms: {cross['other_over_none']:.2f}x), "
+              f"cached {cross['other']['cached_tokens']}, same answer {cross['same_answer']}")
     work = results.get("workload") or {}
     for name in ("off", "on"):
         if name in work:

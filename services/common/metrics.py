@@ -189,6 +189,15 @@ KVSTORE_REDIS_ERRORS = Counter(
     "Shared-tier calls failed: Redis down, unreachable or slow",
     ["op"],
 )
+KVSTORE_MEMORY_BLOCKS = Gauge(
+    "yinian:kvstore_memory_blocks", "Blocks in the KV store's memory tier (in front of Redis)"
+)
+KVSTORE_SPILLED_BLOCKS = Counter(
+    "yinian:kvstore_spilled_blocks",
+    "Blocks the memory tier evicted, by what became of them: stored in Redis, rejected by it, "
+    "or dropped (the spill queue was full)",
+    ["outcome"],
+)
 KVSTORE_INDEX_BLOCKS = Gauge(
     "yinian:kvstore_index_blocks", "Blocks in the global index, per worker tier", ["tier"]
 )

@@ -27,39 +27,18 @@ from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.global_index import GlobalIndex
 from services.kvstore.ledger import Ledger
-from services.kvstore.quotas import Quotas
-from services.kvstore.redis_guard import RedisGuard, TierUnavailable
+from services.kvstore.redis_guard import TierUnavailable
 from services.kvstore.servicer import KvStoreServicer
 from services.kvstore.shared_events import SharedEventLog
-from services.kvstore.shared_tier import SharedTier, TierSettings
+from services.kvstore.shared_tier import SharedTier
 from services.kvstore.store import KvStore
+from services.kvstore.tiers import build_tiers
 
 logger = logging.getLogger("services.kvstore")
 PUBLISH_INTERVAL = 0.05  # seconds between SharedKvEvents batches
 HOUSEKEEPING_INTERVAL = 1.0
 GAUGE_INTERVAL = 5.0
 RECONCILE_INTERVAL = 30.0
-
-
-def build_tier(config: KvStoreConfig, ledger: Ledger, events: SharedEventLog) -> SharedTier | None:
-    if not config.redis_url:
-        logger.warning("no --redis-url: the shared tier is off; serving the global index only")
-        return None
-    quotas = Quotas.load(config.tenant_quotas or None, config.capacity_bytes,
-                         config.tenant_quota_bytes)  # fmt: skip
-    settings = TierSettings(
-        lease_seconds=config.lease_seconds,
-        max_lease_seconds=config.max_lease_seconds,
-        pending_put_seconds=config.pending_put_seconds,
-        public_tenant=config.public_tenant,
-    )
-    guard = RedisGuard(config.redis_url, config.redis_cluster, config.redis_timeout)
-
-    def on_change(stored: list[int], removed: list[int]) -> None:
-        events.stored(stored)
-        events.removed(removed)
-
-    return SharedTier(guard, quotas, ledger, settings, on_change)
 
 
 class EventHandlers:
@@ -99,14 +78,15 @@ class EventHandlers:
         await self.bus.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync, self.on_resync)
 
 
-async def take_snapshot(tier: SharedTier | None, events: SharedEventLog) -> None:
-    """Queues a reset batch of everything in Redis (empty when Redis is down or
-    off; Redis coming back queues another)."""
+async def take_snapshot(store: KvStore, events: SharedEventLog) -> None:
+    """Queues a reset batch of everything in the memory tier and Redis (Redis's
+    part empty when it is down or off; Redis coming back queues another)."""
     events.begin_snapshot()
+    hashes = store.memory.snapshot() if store.memory is not None else []
     try:
-        hashes = await tier.snapshot() if tier is not None else []
+        hashes += await store.tier.snapshot() if store.tier is not None else []
     except TierUnavailable:
-        hashes = []
+        pass
     events.snapshot(hashes)
 
 
@@ -147,15 +127,16 @@ class Housekeeping:
                     await tier.reconcile()
                 self.events.reset_wanted = True
         if self.events.reset_wanted:
-            await take_snapshot(tier, self.events)
+            await take_snapshot(self.store, self.events)
 
 
 async def run(config: KvStoreConfig) -> None:
     setup_tracing("yinian-kvstore")
     ledger, events = Ledger(), SharedEventLog()
     index = GlobalIndex(config.worker_timeout)
-    tier = build_tier(config, ledger, events)
-    store = KvStore(tier, index, ledger, config.max_block_bytes)
+    tier, memory, spiller = build_tiers(config, ledger, events)
+    store = KvStore(tier, index, ledger, config.max_block_bytes, memory)
+    spilling = asyncio.create_task(spiller.drain()) if spiller is not None else None
     server = GrpcServer(config.host, config.port, config.tls_files())
     servicer = KvStoreServicer(store)
     server.add(kvstore_pb2_grpc.add_KvStoreServicer_to_server, servicer, ["yinian.v1.KvStore"])
@@ -167,7 +148,7 @@ async def run(config: KvStoreConfig) -> None:
     if tier is not None:
         with contextlib.suppress(TierUnavailable):
             await tier.reconcile()
-    await take_snapshot(tier, events)
+    await take_snapshot(store, events)
     await publish_shared(bus, events)
     await server.serving(True)
     print(f"READY kvstore {config.host}:{server.port}", flush=True)
@@ -193,6 +174,12 @@ async def run(config: KvStoreConfig) -> None:
     await server.serving(False)
     await server.stop(grace=1.0)
     await bus.close()
+    if spilling is not None:
+        spilling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await spilling
     if tier is not None:
         await tier.guard.close()
+    if memory is not None:
+        memory.close()
     shutdown_tracing()

@@ -29,6 +29,16 @@ class KvStoreConfig(TlsSettings):
     capacity_bytes: int = setting(
         1 << 30, "the shared tier's total; beyond it the least recently used blocks are evicted"
     )
+    memory_tier_bytes: int = setting(
+        0,
+        "bytes of the store's own memory tier in front of Redis: blocks of one size in the "
+        "store's memory, copied to and from workers' host tiers on this host by threads; what it "
+        "evicts spills into Redis (0: off)",
+    )
+    memory_spill_queue_bytes: int = setting(
+        256 << 20, "bytes of evicted blocks waiting for Redis; beyond it they are dropped"
+    )
+    copy_threads: int = setting(8, "threads that copy blocks into and out of the memory tier")
     tenant_quota_bytes: int = setting(
         0, "bytes each tenant may keep in the shared tier (0: up to the capacity)"
     )
@@ -61,6 +71,10 @@ class KvStoreConfig(TlsSettings):
             raise ValueError("redis_timeout must be > 0")
         if self.capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
+        if self.memory_tier_bytes < 0 or self.memory_spill_queue_bytes < 0:
+            raise ValueError("memory_tier_bytes and memory_spill_queue_bytes must be >= 0")
+        if self.copy_threads < 1:
+            raise ValueError("copy_threads must be >= 1")
         if self.tenant_quota_bytes < 0:
             raise ValueError("tenant_quota_bytes must be >= 0")
         if self.tenant_quotas and not os.path.isfile(self.tenant_quotas):

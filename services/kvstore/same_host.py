@@ -7,11 +7,9 @@ verified before it is written into the worker's memory."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
-from services.common.kv_checksum import block_checksum
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.regions import Regions
 from services.kvstore.shared_tier import PutOutcome
@@ -58,14 +56,20 @@ async def put_from(
     each stored before the caller's deadline came near (`remaining()`: seconds left)."""
     check_tenant(tenant)
     _check(store, region, [offset for _, _, offset in blocks])
+    if not _time_left(remaining):
+        return []
     views = [regions.view(region.path, region.size, o, region.block_bytes) for _, _, o in blocks]
+    if store.memory is not None and store.memory.takes(region.block_bytes):
+        # one threaded copy into the memory tier, well inside any deadline
+        outcomes = await store.put_views(
+            tenant, fingerprint, [(h, p, v) for (h, p, _), v in zip(blocks, views)]
+        )
+        return [(h, outcome) for (h, _, _), outcome in zip(blocks, outcomes)]
     out = []
     for (block_hash, parent, _), data in zip(blocks, views):
         if not _time_left(remaining):
             break
-        outcome = await store.put(
-            tenant, fingerprint, block_hash, parent, data, block_checksum(data)
-        )
+        [outcome] = await store.put_views(tenant, fingerprint, [(block_hash, parent, data)])
         out.append((block_hash, outcome))
     return out
 
@@ -87,12 +91,9 @@ async def get_into(
     if len(offsets) != len(hashes):
         raise InvalidRequest(f"{len(hashes)} block hashes but {len(offsets)} offsets")
     _check(store, region, offsets)
+    if not _time_left(remaining):
+        return []
     views = [regions.view(region.path, region.size, o, region.block_bytes) for o in offsets]
-    out: list[tuple[int, int]] = []
-    async with aclosing(store.get(tenant, fingerprint, hashes)) as blocks:
-        async for block in blocks:
-            if len(block.payload) != region.block_bytes or not _time_left(remaining):
-                break  # another layout's block under this fingerprint (a miss), or late
-            views[len(out)][:] = block.payload
-            out.append((block.parent_hash, block.checksum))
-    return out
+    return await store.get_into(
+        tenant, fingerprint, hashes, views, late=lambda: not _time_left(remaining)
+    )

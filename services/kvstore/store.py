@@ -6,6 +6,7 @@ configured, Lookup still answers from the index and Put rejects."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.common import metrics
@@ -16,6 +17,7 @@ from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.global_index import GlobalIndex
 from services.kvstore.ledger import Ledger, TenantCounters
+from services.kvstore.memory_tier import MemoryTier
 from services.kvstore.redis_guard import TierUnavailable
 from services.kvstore.shared_tier import PutOutcome, SharedTier
 
@@ -77,19 +79,46 @@ class KvStore:
         index: GlobalIndex,
         ledger: Ledger,
         max_block_bytes: int = 64 << 20,
+        memory: MemoryTier | None = None,
     ):
         self.tier, self.index, self.ledger = tier, index, ledger
         self.max_block_bytes = max_block_bytes
+        self.memory = memory
+
+    @property
+    def shared(self) -> bool:
+        """Whether there is a shared tier (the memory tier, Redis or both)."""
+        return self.tier is not None or self.memory is not None
+
+    async def _owners(self, tenant: str, fingerprint: Fingerprint, hashes: list[int]):
+        """For each hash, the namespace holding it in the memory tier and in Redis
+        (looked up there only for what memory lacks)."""
+        mem = self.memory.present(tenant, fingerprint, hashes) if self.memory else [None] * len(
+            hashes
+        )
+        red: list[str | None] = [None] * len(hashes)
+        missing = [i for i, o in enumerate(mem) if o is None]
+        if self.tier is not None and missing:
+            found = await self.tier.present(tenant, fingerprint, [hashes[i] for i in missing])
+            for i, owner in zip(missing, found):
+                red[i] = owner
+        return mem, red
+
+    async def _lease(self, fingerprint: Fingerprint, hashes, mem, red) -> None:
+        if self.memory is not None:
+            self.memory.lease(fingerprint, hashes, mem)
+        if self.tier is not None:
+            await self.tier.lease(fingerprint, hashes, red)
 
     async def lookup(self, tenant: str, fingerprint: Fingerprint, hashes) -> LookupResult:
         check_tenant(tenant)
         check_hashes(hashes)
         hashes = list(hashes)
-        owners = await self.tier.present(tenant, fingerprint, hashes) if self.tier else []
+        mem, red = await self._owners(tenant, fingerprint, hashes)
         locations, shared_prefix = [], 0
         for i, h in enumerate(hashes):
             holders = self.index.holders(h)
-            in_shared = bool(owners) and owners[i] is not None
+            in_shared = mem[i] is not None or red[i] is not None
             if in_shared:
                 holders.append((SHARED_HOLDER, SHARED))
                 if shared_prefix == i:
@@ -97,9 +126,9 @@ class KvStore:
             if not holders:
                 break
             locations.append(Location(h, holders))
-        if self.tier:
+        if self.shared:
             n = len(locations)
-            await self.tier.lease(fingerprint, hashes[:n], owners[:n])
+            await self._lease(fingerprint, hashes[:n], mem[:n], red[:n])
             self.ledger.looked_up(
                 tenant, shared_prefix, len(hashes) - shared_prefix, fingerprint.block_size
             )
@@ -127,17 +156,74 @@ class KvStore:
         self.check_put(tenant, data)
         if block_checksum(data) != checksum:
             outcome = PutOutcome("rejected", "checksum", "checksum mismatch: corrupted in transit")
+        elif self.memory is not None and self.memory.takes(len(data)):
+            [outcome] = await self.memory.put(
+                tenant, fingerprint, [(block_hash, parent_hash, data)], [checksum]
+            )
         elif self.tier is None:
-            outcome = PutOutcome("rejected", "disabled", "no shared tier (--redis-url is empty)")
+            outcome = PutOutcome(
+                "rejected", "disabled", "no shared tier (--redis-url and --memory-tier-bytes unset)"
+            )
         else:
             outcome = await self.tier.put(
                 tenant, fingerprint, block_hash, parent_hash, data, checksum
             )
+        self._account(tenant, outcome, len(data))
+        return outcome
+
+    def _account(self, tenant: str, outcome: PutOutcome, nbytes: int) -> None:
         if outcome.status == "rejected":
             self.ledger.rejected(tenant, outcome.reason)
         elif outcome.status == "stored":
-            self.ledger.stored(tenant, len(data))
-        return outcome
+            self.ledger.stored(tenant, nbytes)
+
+    async def put_views(
+        self, tenant: str, fingerprint: Fingerprint, blocks: list[tuple[int, int, memoryview]]
+    ) -> list[PutOutcome]:
+        """Stores (hash, parent, bytes) blocks read from memory the store trusts to
+        hold still (a worker's pinned host-tier slots): into the memory tier in one
+        threaded copy where it takes them, else one by one, checksummed here."""
+        mem = self.memory
+        if mem is None or not blocks or not all(mem.takes(len(b[2])) for b in blocks):
+            return [await self.put(tenant, fingerprint, h, p, d, block_checksum(d))
+                    for h, p, d in blocks]  # fmt: skip
+        for _, _, data in blocks:
+            self.check_put(tenant, data)
+        outcomes = await mem.put(tenant, fingerprint, blocks)
+        for (_, _, data), outcome in zip(blocks, outcomes):
+            self._account(tenant, outcome, len(data))
+        return outcomes
+
+    async def get_into(
+        self, tenant: str, fingerprint: Fingerprint, hashes: list[int], targets, late=lambda: False
+    ) -> list[tuple[int, int]]:
+        """Writes the leading blocks the shared tier serves into `targets` (writable
+        buffers, one per hash): the memory tier's in one threaded copy, then Redis's
+        while `late()` is false; (parent hash, checksum) of each block written."""
+        check_tenant(tenant)
+        check_hashes(hashes)
+        out: list[tuple[int, int]] = []
+        mem = self.memory
+        if mem is not None and targets and len(targets[0]) == mem.slot_bytes:
+            entries = mem.leading(tenant, fingerprint, hashes)
+            mem.lease(fingerprint, hashes[: len(entries)], [key[0] for key, _ in entries])
+            n = await mem.read_into(entries, targets[: len(entries)])
+            out = [(entry.parent, entry.checksum) for _, entry in entries[:n]]
+            if n < len(entries) or n == len(hashes) or self.tier is None or late():
+                self.ledger.served(tenant, n, len(hashes) - n, n * mem.slot_bytes)
+                return out
+            self.ledger.served(tenant, n, 0, n * mem.slot_bytes)
+        if self.tier is None:
+            return out
+        done = len(out)
+        async with aclosing(self.get(tenant, fingerprint, hashes[done:])) as blocks:
+            async for block in blocks:
+                target = targets[len(out)]
+                if len(block.payload) != len(target) or late():
+                    break  # another layout's block under this fingerprint (a miss), or late
+                target[:] = block.payload
+                out.append((block.parent_hash, block.checksum))
+        return out
 
     async def get(self, tenant: str, fingerprint: Fingerprint, hashes) -> AsyncIterator[Block]:
         """The leading blocks the shared tier can serve, verified, in order."""
@@ -146,13 +232,16 @@ class KvStore:
         hashes = list(hashes)
         served = nbytes = 0
         try:
-            if self.tier is None:
+            if not self.shared:
                 return
-            owners = await self.tier.present(tenant, fingerprint, hashes)
-            n = next((i for i, o in enumerate(owners) if o is None), len(owners))
-            await self.tier.lease(fingerprint, hashes[:n], owners[:n])
-            for h, owner in zip(hashes[:n], owners[:n]):
-                block = await self.tier.read(owner, fingerprint, h)
+            mem, red = await self._owners(tenant, fingerprint, hashes)
+            n = next((i for i, o in enumerate(zip(mem, red)) if o == (None, None)), len(hashes))
+            await self._lease(fingerprint, hashes[:n], mem[:n], red[:n])
+            for h, in_memory, in_redis in zip(hashes[:n], mem, red):
+                if in_memory is not None:
+                    block = self.memory.block(in_memory, fingerprint, h)
+                else:
+                    block = await self.tier.read(in_redis, fingerprint, h)
                 if block is None:
                     return
                 served += 1
@@ -165,7 +254,7 @@ class KvStore:
         index_sizes = self.index.sizes()
         report = StatsReport(
             [],
-            self.tier is not None,
+            self.shared,
             index_blocks=index_sizes,
             index_workers=len(self.index.last_seen),
         )
@@ -189,8 +278,19 @@ class KvStore:
             report.shared_bytes = sum(n for _, n in usage.values())
             if tenant is None:
                 names |= set(known)
+        mem = self.memory
+        if mem is not None:
+            report.capacity_bytes += mem.capacity
+            for name in mem.tenants():
+                blocks, nbytes = mem.usage(name)
+                report.shared_blocks += blocks
+                report.shared_bytes += nbytes
+                if tenant is None:
+                    names.add(name)
         for name in sorted(names):
             blocks, nbytes = usage.get(name, (0, 0)) if self.tier else (0, 0)
+            if mem is not None:
+                blocks, nbytes = blocks + mem.usage(name)[0], nbytes + mem.usage(name)[1]
             quota = self.tier.quotas.for_tenant(name) if self.tier else 0
             counters = self.ledger.tenants.get(name) or TenantCounters()
             report.tenants.append(TenantReport(name, blocks, nbytes, quota, counters))
