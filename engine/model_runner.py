@@ -32,6 +32,7 @@ from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
 from kernels import ops
 
+_CONTEXT_BYTES = 512 << 20  # the CUDA context's memory, outside the allocator
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,15 +178,18 @@ class ModelRunner:
     def _blocks_that_fit(self) -> int:
         if self.device.type != "cuda":
             return max(2, self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block)
+        # This engine's share of the device is gpu_memory_utilization of it, less what
+        # this process holds (weights, workspaces); other processes on the device (a
+        # second worker) count only through what is still free.
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
+        own = torch.cuda.memory_reserved(self.device) + _CONTEXT_BYTES
         c = self.model_config
         # Activations of the largest step: a generous per-token estimate, plus logits.
         width = max(c.intermediate_size, c.moe_intermediate_size * max(1, c.num_experts_per_tok))
         per_token = (8 * c.hidden_size + 4 * width + 2 * (c.q_size + 2 * c.kv_size)) * 4
         reserve = self.config.max_num_batched_tokens * per_token
         reserve += self.config.max_num_seqs * c.vocab_size * 4 * 4 + (1 << 30)
-        budget = total * self.config.gpu_memory_utilization - used - reserve
+        budget = min(total * self.config.gpu_memory_utilization - own, free) - reserve
         blocks = int(budget // self.kv_spec.bytes_per_block)
         if blocks < 2:
             raise ValueError(

@@ -107,6 +107,7 @@ def ttft_by_tier(
     out["shared_fetched_tokens"] = sum(
         worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values()
     )
+    out["shared_fetch_ms"] = _fetch_ms(mesh)
     texts = {tier: out[tier].pop("text") for tier in ("none", "gpu", "host", "shared")}
     out["same_answer"] = len(set(texts.values())) == 1
     # which tier's answer differs (bf16 on random weights: near-tied logits can flip
@@ -115,6 +116,12 @@ def ttft_by_tier(
     none = out["none"]["ttft_ms"]
     out["speedup_over_none"] = {t: none / out[t]["ttft_ms"] for t in ("gpu", "host", "shared")}
     return out
+
+
+def _fetch_ms(mesh: Mesh) -> float:
+    """The workers' time in shared-tier lookups and fetches, in all (the prompt's is
+    the only fetch a fresh worker made)."""
+    return 1e3 * sum(worker_metric(mesh, "yinian:kv_shared_fetch_seconds_sum").values())
 
 
 def _median(rows: list[dict]) -> dict:
@@ -164,11 +171,19 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
         _first_token(mesh, w, model)
     before = worker_metric(mesh, "yinian:prefix_cache_queried_tokens")
     out = {"prompt_tokens": len(prompt), "none": _first_token(mesh, prompt, model)}
-    after = worker_metric(mesh, "yinian:prefix_cache_queried_tokens")
-    first = max(after, key=lambda w: after[w] - before.get(w, 0.0))
     out["gpu"] = _first_token(mesh, prompt, model)
     out["settle_seconds"] = _settle(mesh)
+    # the worker that took both requests (its load reports carry the count: wait for them)
+    deadline, first = time.monotonic() + 15, None
+    while first is None and time.monotonic() < deadline:
+        after = worker_metric(mesh, "yinian:prefix_cache_queried_tokens")
+        first = next((w for w in after if after[w] - before.get(w, 0.0) >= 2 * len(prompt)), None)
+        time.sleep(0.2)
+    if first is None:
+        raise RuntimeError("no worker took both requests of the prompt")
     out["computed_on"] = first
+    out["written_blocks"] = worker_metric(mesh, "yinian:kv_shared_written_blocks_total")
+    out["dropped_blocks"] = worker_metric(mesh, "yinian:kv_shared_dropped_blocks_total")
     mesh.kill(first)
     deadline = time.monotonic() + 60
     while any(w.info.worker_id == first for w in list_workers(mesh)):
@@ -179,6 +194,7 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
     out["fetched_tokens"] = sum(
         worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values()
     )
+    out["fetch_ms"] = _fetch_ms(mesh)
     texts = {t: out[t].pop("text") for t in ("none", "gpu", "other")}
     out["same_answer"] = len(set(texts.values())) == 1
     out["other_over_none"] = out["other"]["ttft_ms"] / out["none"]["ttft_ms"]

@@ -150,10 +150,27 @@ class KvStoreClient:
             )
         except grpc.RpcError as exc:
             if exc.code() in _NO_REGION:
+                logger.info("the KV store cannot map our host tier: %s", exc.details())
                 return None
             self._failed("put", exc)
             return 0
         return answer.stored + answer.already_present
+
+    async def map_region(self, region: tuple[str, int], block_bytes: int) -> bool | None:
+        """Has the store map `region` (a GetInto of no blocks): True, or None when it
+        cannot open it, False when the store is unreachable."""
+        try:
+            await self.stub.GetInto(
+                kvstore_pb2.GetIntoRequest(fingerprint=self.model, region=_region(region),
+                                           block_bytes=block_bytes),
+                timeout=self.timeout, metadata=grpc_metadata(),
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            if exc.code() in _NO_REGION:
+                logger.info("the KV store cannot map our host tier: %s", exc.details())
+                return None
+            return False
+        return True
 
     async def get_into(
         self, tenant: str, region: tuple[str, int], block_bytes: int,
@@ -178,6 +195,7 @@ class KvStoreClient:
             )
         except grpc.RpcError as exc:
             if exc.code() in _NO_REGION:
+                logger.info("the KV store cannot map our host tier: %s", exc.details())
                 return None
             self._failed("get", exc)
             return []

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from basis.block_hash import PUBLIC_NAMESPACE, hash_prompt_blocks
@@ -39,6 +40,8 @@ from services.common.kv_checksum import block_checksum
 from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import tracer
 from services.common.worker_config import WRITE_THROUGH
+
+_VERIFY_POOL = ThreadPoolExecutor(4, thread_name_prefix="kv-verify")
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("yinian.kv")
@@ -90,6 +93,13 @@ class SharedKv:
         self._tasks: set[asyncio.Task] = set()
 
     # -- reads -------------------------------------------------------------------
+    async def introduce(self) -> None:
+        """Names this worker's host tier to the store ahead of any block, so that it
+        maps the memory now and not on the first fetch (a GetInto of no blocks)."""
+        if self.region is not None:
+            if await self.client.map_region(self.region, self.block_bytes) is None:
+                self._no_region()
+
     async def prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int = 0) -> int:
         """Fetches the prompt's missing leading blocks from the shared tier into the
         host tier; returns the prompt tokens it made local. (The store answers a
@@ -159,13 +169,15 @@ class SharedKv:
     def _verify(self, slots, written, hashes: list[int], local: int) -> int:
         """How many leading blocks the store wrote into their slots fit the prompt
         (parent chain) and hold what their checksum says (read here, in a thread)."""
-        for n, ((block_hash, slot), (parent, checksum)) in enumerate(zip(slots, written)):
+        # a GiB of blocks is ~60 ms of XXH3 on one core: spread over a few
+        sums = list(_VERIFY_POOL.map(
+            lambda slot: block_checksum(self.engine.host_slot_bytes(slot)),
+            [slot for _, slot in slots[: len(written)]],
+        ))  # fmt: skip
+        for n, ((block_hash, _), (parent, checksum)) in enumerate(zip(slots, written)):
             i = local + n
             expected_parent = hashes[i - 1] if i > 0 else 0
-            if (
-                parent != expected_parent
-                or block_checksum(self.engine.host_slot_bytes(slot)) != checksum
-            ):
+            if parent != expected_parent or sums[n] != checksum:
                 self._rejected(block_hash)
                 return n
         return len(written)

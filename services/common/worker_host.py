@@ -162,6 +162,7 @@ class WorkerHost:
         if self.experts is not None:
             loops.append(asyncio.create_task(self.experts.run()))
         if self.shared is not None:
+            loops.append(asyncio.create_task(self.shared.introduce()))
             await self._follow_shared_tier(bus)
         await self.server.serving(True)
         logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from basis.host_regions import PREFIX, shm_dir
 from services.common.errors import FailedPrecondition, InvalidRequest
 
 _MAX_OPEN = 64
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_CHUNK = 64 << 20
 
 
 class RegionUnavailable(FailedPrecondition):
@@ -26,6 +29,11 @@ class Regions:
     def __init__(self, folder: Path | None = None):
         self.folder = folder or shm_dir()
         self._open: OrderedDict[tuple[str, int], tuple[mmap.mmap, int]] = OrderedDict()
+
+    def prepare(self, path: str, size: int) -> None:
+        """Maps the region (a system call or two: call it in a thread), checking its
+        name and size."""
+        self._map(path, size)
 
     def view(self, path: str, size: int, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset` of the region, readable and writable."""
@@ -55,6 +63,10 @@ class Regions:
             if stat.st_size != size:
                 raise RegionUnavailable(f"{path} holds {stat.st_size} bytes, not {size}")
             mapped = mmap.mmap(fd, size)
+            if stat.st_blocks * 512 >= size:
+                # all its memory is there (a host tier pinned for a GPU): map every page
+                # in the background, so that copies into it take no faults
+                threading.Thread(target=_populate, args=(mapped, size), daemon=True).start()
         finally:
             os.close(fd)
         self._open[key] = (mapped, stat.st_ino)
@@ -79,6 +91,14 @@ class Regions:
     def close(self) -> None:
         for key in list(self._open):
             self._close(key)
+
+
+def _populate(mapped: mmap.mmap, size: int) -> None:
+    try:
+        for offset in range(0, size, _POPULATE_CHUNK):
+            mapped.madvise(_MADV_POPULATE_WRITE, offset, min(_POPULATE_CHUNK, size - offset))
+    except (OSError, ValueError):  # an older kernel, or the region closed meanwhile
+        pass
 
 
 def _inode(path: Path) -> int | None:

@@ -7,6 +7,7 @@ verified before it is written into the worker's memory."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
@@ -58,6 +59,7 @@ async def put_from(
     _check(store, region, [offset for _, _, offset in blocks])
     if not _time_left(remaining):
         return []
+    await asyncio.to_thread(regions.prepare, region.path, region.size)
     views = [regions.view(region.path, region.size, o, region.block_bytes) for _, _, o in blocks]
     if store.memory is not None and store.memory.takes(region.block_bytes):
         # one threaded copy into the memory tier, well inside any deadline
@@ -93,6 +95,7 @@ async def get_into(
     _check(store, region, offsets)
     if not _time_left(remaining):
         return []
+    await asyncio.to_thread(regions.prepare, region.path, region.size)
     views = [regions.view(region.path, region.size, o, region.block_bytes) for o in offsets]
     return await store.get_into(
         tenant, fingerprint, hashes, views, late=lambda: not _time_left(remaining)
