@@ -138,6 +138,8 @@ class KVTiers:
         out = []
         if self.host is None:
             return out
+        # copies an earlier call started become readable (an idle engine polls nothing)
+        self.host.poll(self.kv.pool)
         for h in hashes:
             slot = self.host.pool.lookup(h)
             if slot is None:

@@ -55,7 +55,8 @@ EXPECTED = {
         "pp_throughput": CUDA_ONLY,
     },
     "long_streams": {"ceilings": "ok", "colocated": "ok", "split": "ok"},
-    "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "workload": "ok"},
+    "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "cross_worker": "ok",
+                "workload": "ok"},
     "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {

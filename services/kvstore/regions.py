@@ -7,6 +7,8 @@ folder, of the size the caller says, are opened; every block must lie inside.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 import threading
@@ -19,6 +21,7 @@ from services.common.errors import FailedPrecondition, InvalidRequest
 _MAX_OPEN = 64
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _POPULATE_CHUNK = 64 << 20
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
 class RegionUnavailable(FailedPrecondition):
@@ -29,6 +32,7 @@ class Regions:
     def __init__(self, folder: Path | None = None):
         self.folder = folder or shm_dir()
         self._open: OrderedDict[tuple[str, int], tuple[mmap.mmap, int]] = OrderedDict()
+        self._lock = threading.Lock()  # prepare() maps in a thread
 
     def prepare(self, path: str, size: int) -> None:
         """Maps the region (a system call or two: call it in a thread), checking its
@@ -42,6 +46,10 @@ class Regions:
         return memoryview(self._map(path, size))[offset : offset + length]
 
     def _map(self, path: str, size: int) -> mmap.mmap:
+        with self._lock:
+            return self._map_locked(path, size)
+
+    def _map_locked(self, path: str, size: int) -> mmap.mmap:
         target = Path(path)
         if target.parent != self.folder or not target.name.startswith(PREFIX):
             raise InvalidRequest(f"{path} is not a host tier in {self.folder}")
@@ -81,24 +89,45 @@ class Regions:
             if _inode(Path(key[0])) != ino:
                 self._close(key)
 
-    def _close(self, key) -> None:
+    def _close(self, key, wait: bool = False) -> None:
+        """Unmaps a region: in the background unless `wait` (unmapping the last
+        mapping of a removed worker's 16 GiB frees it, which takes seconds; the
+        call releases the GIL, so the store serves on meanwhile)."""
         mapped, _ = self._open.pop(key)
-        try:
-            mapped.close()
-        except BufferError:  # a view is still in use; the map goes when it does
-            pass
+        if wait:
+            _unmap(mapped)
+        else:
+            threading.Thread(target=_unmap, args=(mapped,), daemon=True).start()
 
     def close(self) -> None:
-        for key in list(self._open):
-            self._close(key)
+        with self._lock:
+            for key in list(self._open):
+                self._close(key, wait=True)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    try:
+        mapped.close()
+    except BufferError:  # a view is still in use; the map goes when it does
+        pass
 
 
 def _populate(mapped: mmap.mmap, size: int) -> None:
+    """madvise(MADV_POPULATE_WRITE) over the mapping through ctypes, which lets go of
+    the GIL (mmap.madvise holds it for the whole call: seconds for many GiB)."""
     try:
+        anchor = ctypes.c_char.from_buffer(mapped)
+    except (TypeError, ValueError, BufferError):  # closed meanwhile
+        return
+    try:
+        base = ctypes.addressof(anchor)
         for offset in range(0, size, _POPULATE_CHUNK):
-            mapped.madvise(_MADV_POPULATE_WRITE, offset, min(_POPULATE_CHUNK, size - offset))
-    except (OSError, ValueError):  # an older kernel, or the region closed meanwhile
-        pass
+            length = min(_POPULATE_CHUNK, size - offset)
+            if _LIBC.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length),
+                             _MADV_POPULATE_WRITE) != 0:  # fmt: skip
+                return  # an older kernel
+    finally:
+        del anchor
 
 
 def _inode(path: Path) -> int | None:
