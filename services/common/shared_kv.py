@@ -18,8 +18,8 @@ store on this host reads those slots out of the tier's shared memory (PutFrom)
 and writes fetched blocks into it (GetInto), so no block's bytes pass through
 this process at all; a store elsewhere gets them by value, copied and
 checksummed in a thread. Writes wait in a
-bounded queue (`max_pending_bytes`): a write that does not fit is dropped and
-counted, never waited for. A block's hash is what it holds (chained over the
+bounded queue (`max_pending_bytes`): the blocks of a write that do not fit
+(its tail) are dropped and counted, never waited for. A block's hash is what it holds (chained over the
 prompt and salted with the tenant), so a fetched block is used only under the
 hash the prompt asks for.
 """
@@ -68,7 +68,7 @@ class SharedKv:
         client,
         worker_id: str,
         policy: str = "selective",
-        max_pending_bytes: int = 512 << 20,
+        max_pending_bytes: int = 2048 << 20,
         index: KvIndex | None = None,
     ):
         if policy not in WRITE_THROUGH:
@@ -226,10 +226,15 @@ class SharedKv:
         ]
         if not todo:
             return
+        # the leading blocks that fit (a prompt's head is worth the most: every longer
+        # prompt sharing it reads it); the rest are dropped and counted
+        room = max(0, self.max_pending_bytes - self.pending_bytes) // self.block_bytes
+        if room < len(todo):
+            self._dropped(len(todo) - room, "queue_full")
+            todo = todo[:room]
+            if not todo:
+                return
         nbytes = len(todo) * self.block_bytes
-        if self.pending_bytes + nbytes > self.max_pending_bytes:
-            self._dropped(len(todo), "queue_full")
-            return
         self.pending_bytes += nbytes
         self._queued.update(h for _, h in todo)  # a later request for them waits for this one
         public = public_tokens // self.block_size

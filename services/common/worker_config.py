@@ -43,9 +43,10 @@ class WorkerSettings(TlsSettings):
         choices=WRITE_THROUGH,
     )
     kv_write_queue_mb: int = setting(
-        512,
-        "KV bytes (MiB) waiting to be written to the shared tier at most; a write beyond "
-        "it is dropped and counted (yinian:kv_shared_dropped_blocks), never waited for",
+        2048,
+        "KV bytes (MiB) waiting to be written to the shared tier at most (an 8k-token "
+        "llama3-8b prompt is 1 GiB); the blocks of a write beyond it (its tail) are dropped "
+        "and counted (yinian:kv_shared_dropped_blocks), never waited for",
     )
     drain_timeout: float = setting(
         30.0,
