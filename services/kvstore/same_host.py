@@ -96,6 +96,8 @@ async def get_into(
     if not _time_left(remaining):
         return []
     await asyncio.to_thread(regions.prepare, region.path, region.size)
+    if not hashes:  # a worker naming its region ahead of any block: mapped, nothing more
+        return []
     views = [regions.view(region.path, region.size, o, region.block_bytes) for o in offsets]
     return await store.get_into(
         tenant, fingerprint, hashes, views, late=lambda: not _time_left(remaining)
