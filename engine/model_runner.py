@@ -33,6 +33,7 @@ from engine.sequence import Sequence
 from kernels import ops
 
 _CONTEXT_BYTES = 512 << 20  # the CUDA context's memory, outside the allocator
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

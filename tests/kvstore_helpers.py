@@ -6,6 +6,9 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
+import pytest
+from redis_server import RedisServer
+
 from services.common.kv_checksum import block_checksum
 from services.kvstore.block_format import encode
 from services.kvstore.fingerprint import Fingerprint
@@ -107,6 +110,20 @@ def memory_harness(url: str, memory_blocks: int, quota_blocks: int = 0, spill_mb
                 GlobalIndex())  # fmt: skip
     h.spiller = spiller
     return h
+
+
+@pytest.fixture(scope="module", name="server")
+def server_fixture():
+    """One redis-server for a test module (a module imports it with `url_fixture`)."""
+    with RedisServer() as s:
+        yield s
+
+
+@pytest.fixture(name="url")
+def url_fixture(server):
+    """The module's Redis, emptied for each test."""
+    server.client().flushall()
+    return server.url
 
 
 def run(coro):

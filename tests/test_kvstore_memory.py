@@ -10,24 +10,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvstore_helpers import FP, PAYLOAD_BYTES, chain, memory_harness, payload, run
-from redis_server import RedisServer, redis_server_binary
+from kvstore_helpers import (  # noqa: F401 - fixtures
+    FP,
+    PAYLOAD_BYTES,
+    chain,
+    memory_harness,
+    payload,
+    run,
+    server_fixture,
+    url_fixture,
+)
+from redis_server import redis_server_binary
 
 from services.common.kv_checksum import block_checksum
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def url(server):
-    server.client().flushall()
-    return server.url
 
 
 def _announced(h) -> set[int]:

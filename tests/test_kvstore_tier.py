@@ -10,24 +10,22 @@ import asyncio
 import time
 
 import pytest
-from kvstore_helpers import FP, OTHER_FP, chain, harness, payload, run, value_bytes
+from kvstore_helpers import (  # noqa: F401 - fixtures
+    FP,
+    OTHER_FP,
+    chain,
+    harness,
+    payload,
+    run,
+    server_fixture,
+    url_fixture,
+    value_bytes,
+)
 from redis_server import RedisServer, redis_server_binary
 
 from services.kvstore.redis_layout import Namespace, member
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def url(server):
-    server.client().flushall()
-    return server.url
 
 
 def test_put_get_round_trip(url):

@@ -149,8 +149,7 @@ class KvStoreClient:
                 request, timeout=self.timeout * 4, metadata=grpc_metadata()
             )
         except grpc.RpcError as exc:
-            if exc.code() in _NO_REGION:
-                logger.info("the KV store cannot map our host tier: %s", exc.details())
+            if _cannot_map(exc):
                 return None
             self._failed("put", exc)
             return 0
@@ -166,8 +165,7 @@ class KvStoreClient:
                 timeout=self.timeout, metadata=grpc_metadata(),
             )  # fmt: skip
         except grpc.RpcError as exc:
-            if exc.code() in _NO_REGION:
-                logger.info("the KV store cannot map our host tier: %s", exc.details())
+            if _cannot_map(exc):
                 return None
             return False
         return True
@@ -194,8 +192,7 @@ class KvStoreClient:
                 request, timeout=self.timeout, metadata=grpc_metadata()
             )
         except grpc.RpcError as exc:
-            if exc.code() in _NO_REGION:
-                logger.info("the KV store cannot map our host tier: %s", exc.details())
+            if _cannot_map(exc):
                 return None
             self._failed("get", exc)
             return []
@@ -203,6 +200,14 @@ class KvStoreClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def _cannot_map(exc: grpc.RpcError) -> bool:
+    """Whether the store answered that it cannot map our region (and say why)."""
+    if exc.code() not in _NO_REGION:
+        return False
+    logger.info("the KV store cannot map our host tier: %s", exc.details())
+    return True
 
 
 def _region(region: tuple[str, int]) -> kvstore_pb2.SharedRegion:

@@ -17,11 +17,11 @@ pins host-tier slots (its pinned copies of blocks that left the device). A KV
 store on this host reads those slots out of the tier's shared memory (PutFrom)
 and writes fetched blocks into it (GetInto), so no block's bytes pass through
 this process at all; a store elsewhere gets them by value, copied and
-checksummed in a thread. Writes wait in a
-bounded queue (`max_pending_bytes`): the blocks of a write that do not fit
-(its tail) are dropped and counted, never waited for. A block's hash is what it holds (chained over the
-prompt and salted with the tenant), so a fetched block is used only under the
-hash the prompt asks for.
+checksummed in a thread. Writes wait in a bounded queue (`max_pending_bytes`):
+the blocks of a write that do not fit (its tail) are dropped and counted, never
+waited for. A block's hash is what it holds (chained over the prompt and salted
+with the tenant), so a fetched block is used only under the hash the prompt
+asks for.
 """
 
 from __future__ import annotations

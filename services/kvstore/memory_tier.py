@@ -31,7 +31,7 @@ from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.ledger import Ledger
 from services.kvstore.quotas import Quotas
-from services.kvstore.shared_tier import PutOutcome, TierSettings
+from services.kvstore.shared_tier import PutOutcome, TierSettings, readable
 
 Key = tuple[str, str, int]  # (owner namespace, fingerprint id, block hash)
 
@@ -90,12 +90,8 @@ class MemoryTier:
             return 0 < nbytes <= self.capacity
         return nbytes == self.slot_bytes
 
-    def readable(self, tenant: str) -> list[str]:
-        public = self.settings.public_tenant
-        return [tenant] if tenant == public else [tenant, public]
-
     def present(self, tenant: str, fingerprint: Fingerprint, hashes) -> list[str | None]:
-        owners = self.readable(tenant)
+        owners = readable(self.settings, tenant)
         out: list[str | None] = []
         for h in hashes:
             out.append(next((o for o in owners if (o, fingerprint.id, h) in self._entries), None))
@@ -158,9 +154,7 @@ class MemoryTier:
             self._pins[slot] += 1
             todo.append((i, key, slot))
         try:
-            sums = await self._run(
-                [(self._store_one, slot, blocks[i][2]) for i, _, slot in todo]
-            )
+            sums = await self._run([(self._store_one, slot, blocks[i][2]) for i, _, slot in todo])
         except BaseException:
             self._free += [slot for _, _, slot in todo]
             raise
@@ -211,7 +205,9 @@ class MemoryTier:
             if not self._evict_one(tenant, "quota"):
                 return None, PutOutcome("rejected", "quota", f"tenant over its quota of {quota}")
         if not self._free and not self._evict_one(None, "capacity"):
-            return None, PutOutcome("rejected", "capacity", "the memory tier is full of leased blocks")
+            return None, PutOutcome(
+                "rejected", "capacity", "the memory tier is full of leased blocks"
+            )
         return self._free.pop(), None
 
     def _evict_one(self, tenant: str | None, reason: str) -> bool:

@@ -32,18 +32,20 @@ class Regions:
     def __init__(self, folder: Path | None = None):
         self.folder = folder or shm_dir()
         self._open: OrderedDict[tuple[str, int], tuple[mmap.mmap, int]] = OrderedDict()
-        self._lock = threading.Lock()  # prepare() maps in a thread
+        self._lock = threading.Lock()  # views() maps in a thread
 
-    def prepare(self, path: str, size: int) -> None:
-        """Maps the region (a system call or two: call it in a thread), checking its
-        name and size."""
-        self._map(path, size)
+    def views(self, path: str, size: int, offsets, length: int) -> list[memoryview]:
+        """`length` bytes at each of `offsets` of the region, readable and writable;
+        the region is mapped (and checked) once, so call it in a thread."""
+        for offset in offsets:
+            if length <= 0 or offset < 0 or offset + length > size:
+                raise InvalidRequest(f"block [{offset}, {offset + length}) outside the region")
+        whole = memoryview(self._map(path, size))
+        return [whole[offset : offset + length] for offset in offsets]
 
     def view(self, path: str, size: int, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset` of the region, readable and writable."""
-        if length <= 0 or offset < 0 or offset + length > size:
-            raise InvalidRequest(f"block [{offset}, {offset + length}) outside the region")
-        return memoryview(self._map(path, size))[offset : offset + length]
+        return self.views(path, size, [offset], length)[0]
 
     def _map(self, path: str, size: int) -> mmap.mmap:
         with self._lock:

@@ -59,8 +59,9 @@ async def put_from(
     _check(store, region, [offset for _, _, offset in blocks])
     if not _time_left(remaining):
         return []
-    await asyncio.to_thread(regions.prepare, region.path, region.size)
-    views = [regions.view(region.path, region.size, o, region.block_bytes) for _, _, o in blocks]
+    views = await asyncio.to_thread(
+        regions.views, region.path, region.size, [o for _, _, o in blocks], region.block_bytes
+    )
     if store.memory is not None and store.memory.takes(region.block_bytes):
         # one threaded copy into the memory tier, well inside any deadline
         outcomes = await store.put_views(
@@ -95,10 +96,11 @@ async def get_into(
     _check(store, region, offsets)
     if not _time_left(remaining):
         return []
-    await asyncio.to_thread(regions.prepare, region.path, region.size)
+    views = await asyncio.to_thread(
+        regions.views, region.path, region.size, offsets, region.block_bytes
+    )
     if not hashes:  # a worker naming its region ahead of any block: mapped, nothing more
         return []
-    views = [regions.view(region.path, region.size, o, region.block_bytes) for o in offsets]
     return await store.get_into(
         tenant, fingerprint, hashes, views, late=lambda: not _time_left(remaining)
     )

@@ -45,6 +45,13 @@ class PutOutcome:
     detail: str = ""
 
 
+def readable(settings: TierSettings, tenant: str) -> list[str]:
+    """The namespaces a tenant reads (in Redis and the memory tier alike): its own,
+    then the public one."""
+    public = settings.public_tenant
+    return [tenant] if tenant == public else [tenant, public]
+
+
 def _rejected(reason: str, detail: str) -> PutOutcome:
     return PutOutcome("rejected", reason, detail)
 
@@ -78,9 +85,7 @@ class SharedTier:
         return self.quotas.capacity
 
     def readable(self, tenant: str) -> list[str]:
-        """The namespaces a tenant reads: its own, then the public one."""
-        public = self.settings.public_tenant
-        return [tenant] if tenant == public else [tenant, public]
+        return readable(self.settings, tenant)
 
     @staticmethod
     def _now_ms() -> int:

@@ -93,10 +93,9 @@ class KvStore:
     async def _owners(self, tenant: str, fingerprint: Fingerprint, hashes: list[int]):
         """For each hash, the namespace holding it in the memory tier and in Redis
         (looked up there only for what memory lacks)."""
-        mem = self.memory.present(tenant, fingerprint, hashes) if self.memory else [None] * len(
-            hashes
-        )
-        red: list[str | None] = [None] * len(hashes)
+        none: list[str | None] = [None] * len(hashes)
+        mem = self.memory.present(tenant, fingerprint, hashes) if self.memory else none
+        red = list(none)
         missing = [i for i, o in enumerate(mem) if o is None]
         if self.tier is not None and missing:
             found = await self.tier.present(tenant, fingerprint, [hashes[i] for i in missing])
@@ -290,7 +289,8 @@ class KvStore:
         for name in sorted(names):
             blocks, nbytes = usage.get(name, (0, 0)) if self.tier else (0, 0)
             if mem is not None:
-                blocks, nbytes = blocks + mem.usage(name)[0], nbytes + mem.usage(name)[1]
+                in_memory = mem.usage(name)
+                blocks, nbytes = blocks + in_memory[0], nbytes + in_memory[1]
             quota = self.tier.quotas.for_tenant(name) if self.tier else 0
             counters = self.ledger.tenants.get(name) or TenantCounters()
             report.tenants.append(TenantReport(name, blocks, nbytes, quota, counters))

@@ -44,7 +44,8 @@ def build_tiers(
                              config.tenant_quota_bytes)  # fmt: skip
         guard = RedisGuard(config.redis_url, config.redis_cluster, config.redis_timeout)
         tier = SharedTier(guard, quotas, ledger, settings, on_change)
-        spiller = Spiller(tier, config.memory_spill_queue_bytes, removed)
+        if config.memory_tier_bytes:
+            spiller = Spiller(tier, config.memory_spill_queue_bytes, removed)
     if config.memory_tier_bytes:
         quotas = Quotas.load(config.tenant_quotas or None, config.memory_tier_bytes,
                              config.tenant_quota_bytes)  # fmt: skip
