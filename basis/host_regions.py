@@ -1,13 +1,16 @@
-"""Where workers' host tiers live as shared-memory files, for the engine that
-makes them (engine/host_memory.py) and the KV store that maps them
-(services/kvstore/regions.py): one folder and one name prefix for both."""
+"""Where host memory shared between processes of one host lives: workers' host
+tiers (engine/host_memory.py makes them, services/kvstore/regions.py maps
+them) and the KV store's memory tier (services/kvstore/memory_region.py makes
+it, workers map it to copy lent blocks straight to their GPUs). One folder,
+one name prefix for each kind, the owner's pid in every name."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-PREFIX = "yinian-kv-"  # then <pid>-<random>
+PREFIX = "yinian-kv-"  # a worker's host tier, then <pid>-<random>
+STORE_PREFIX = "yinian-store-"  # the KV store's memory tier, then <pid>-<random>
 
 
 def shm_dir() -> Path:
@@ -31,3 +34,25 @@ def default_store_memory_bytes() -> int:
     """The memory tier `yinian up` gives the KV store: an eighth of the host memory
     available at start-up, at most 16 GiB (it is allocated as blocks arrive)."""
     return int(min(available_host_gb() / 8, 16.0) * (1 << 30)) or (64 << 20)
+
+
+def remove_stale(folder: Path, prefix: str) -> None:
+    """Removes the `prefix` files of processes that have ended (one killed with -9
+    leaves its file behind)."""
+    for path in folder.glob(f"{prefix}*"):
+        try:
+            pid = int(path.name[len(prefix) :].split("-")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

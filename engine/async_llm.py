@@ -173,6 +173,26 @@ class AsyncLLM:
         estimate that may be a step old (admission finds the real prefix)."""
         return self._engine.tiers.peek_prefix_blocks(hashes)
 
+    def peek_device_prefix(self, hashes: list[int]) -> int:
+        """How many leading `hashes` the device holds (like `peek_cached_prefix`)."""
+        return self._engine.tiers.peek_device_prefix(hashes)
+
+    async def import_device_begin(self, hashes: list[int], start: int) -> list[int]:
+        """Device block ids held for `hashes[start:]` (the first ones the device lacks,
+        as many as it can spare), to fill with `copy_into_blocks`, then
+        `import_device_end`; none unless the device holds `hashes[:start]`."""
+        return await self._call(lambda e: e.import_device_begin(hashes, start))
+
+    def copy_into_blocks(self, rows: list, block_ids: list[int]):
+        """Starts copying rows (host tensors, [layers, *block] each) into held device
+        blocks, in the caller's thread; returns a function that waits for them."""
+        return self._engine.tiers.copy_into_blocks(rows, block_ids)
+
+    async def import_device_end(self, block_ids: list[int], hashes: list[int], filled: int) -> None:
+        """The first `filled` held blocks hold `hashes` now (a prompt's admission finds
+        them like any device hit); the rest are let go."""
+        await self._call(lambda e: e.import_device_end(block_ids, hashes, filled))
+
     async def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, host slot) of the leading `hashes` in the host tier, pinned until
         `export_end`; read them with `host_slot_bytes` from any thread."""

@@ -9,12 +9,17 @@ The file is `yinian-kv-<pid>-<random>` in the shared-memory folder
 later start removes the files of processes that no longer run (a worker
 killed with -9 leaves its file behind). Where the folder is missing or too
 small, the tier is ordinary pinned memory that only this process sees.
+
+`map_store_region` maps the KV store's memory tier (another process's file in
+the same folder) the same way, so the store can lend blocks that this process
+copies straight to its GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import uuid
 import weakref
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from basis.host_regions import PREFIX, shm_dir
+from basis.host_regions import PREFIX, STORE_PREFIX, remove_stale, shm_dir
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class HostMemory:
     tensor: torch.Tensor
     path: Path | None = None  # the shared-memory file, None for private memory
     registered: bool = False
+    owned: bool = True  # made here: its file goes when it closes
 
     @property
     def size(self) -> int:
@@ -42,9 +48,9 @@ class HostMemory:
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.registered = False
-        if self.path is not None:
+        if self.path is not None and self.owned:
             self.path.unlink(missing_ok=True)
-            self.path = None
+        self.path = None
 
 
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> HostMemory:
@@ -53,7 +59,7 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> HostMemo
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     folder = shm_dir()
     try:
-        remove_stale(folder)
+        remove_stale(folder, PREFIX)
         space = os.statvfs(folder)
         if space.f_bavail * space.f_frsize < nbytes:
             raise OSError(f"{folder} has less than {nbytes} bytes free")
@@ -75,22 +81,26 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> HostMemo
     return memory
 
 
-def remove_stale(folder: Path) -> None:
-    """Removes the tier files of processes that have ended."""
-    for path in folder.glob(f"{PREFIX}*"):
-        try:
-            pid = int(path.name[len(PREFIX) :].split("-")[0])
-        except ValueError:
-            continue
-        if not _alive(pid):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
+def map_store_region(path: str, size: int, cuda: bool) -> HostMemory:
+    """The KV store's memory tier, a file of `size` bytes in the shared-memory folder,
+    mapped here as one uint8 tensor and, on CUDA, registered with the driver (so
+    copies out of it to the device run at the pinned rate; a few seconds for many
+    GiB: call it in a thread). OSError when the file is not such a region here."""
+    target = Path(path)
+    if target.parent != shm_dir() or not target.name.startswith(STORE_PREFIX):
+        raise OSError(f"{path} is not a KV store region in {shm_dir()}")
+    fd = os.open(target, os.O_RDWR)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"{path} does not hold {size} bytes")
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    memory = HostMemory(torch.frombuffer(mapped, dtype=torch.uint8), target, owned=False)
+    if cuda:
+        err = torch.cuda.cudart().cudaHostRegister(memory.tensor.data_ptr(), size, 0)
+        if int(err) != 0:  # still usable, at the pageable rate
+            logger.warning("could not pin the KV store's region (error %s)", err)
+        else:
+            memory.registered = True
+    return memory

@@ -174,18 +174,8 @@ class HostTier:
         if not pairs:
             return
         start = time.perf_counter()
-        for first in range(0, len(pairs), self.chunk):
-            part = pairs[first : first + self.chunk]
-            staging = torch.empty(
-                (len(part), self.num_layers, *self.block_shape),
-                dtype=self.blocks.dtype,
-                device=self.device,
-            )
-            for row, (slot, _) in enumerate(part):
-                staging[row].copy_(self.blocks[slot], non_blocking=True)
-            ids = torch.tensor([b for _, b in part], device=self.device)
-            for layer, cache in enumerate(self.kv_caches):
-                cache.index_copy_(0, ids, staging[:, layer])
+        copy_rows_to_blocks([self.blocks[slot] for slot, _ in pairs], [b for _, b in pairs],
+                            self.kv_caches, self.chunk)  # fmt: skip
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -253,6 +243,30 @@ class HostTier:
         self.slot_bytes(slot)[:] = memoryview(data).cast("B")
         self.pool.end_store(slot)
         return True
+
+
+def copy_rows_to_blocks(
+    rows: list[torch.Tensor], block_ids: list[int], kv_caches: list[torch.Tensor],
+    chunk: int = 0,
+) -> None:  # fmt: skip
+    """rows[i], one block across every layer ([layers, *block], in host memory; pinned
+    for the copy to be asynchronous), into device block block_ids[i] of each layer's
+    cache, on the current stream: each row in one copy into a device staging buffer
+    (`chunk` rows at a time), then one scatter per layer."""
+    first_cache = kv_caches[0]
+    shape = (len(kv_caches), *first_cache.shape[1:])
+    if chunk <= 0:
+        per_block = first_cache[0].numel() * first_cache.element_size() * len(kv_caches)
+        chunk = max(1, _STAGING_BYTES // per_block)
+    for first in range(0, len(rows), chunk):
+        part = rows[first : first + chunk]
+        staging = torch.empty((len(part), *shape), dtype=first_cache.dtype,
+                              device=first_cache.device)  # fmt: skip
+        for row, source in enumerate(part):
+            staging[row].copy_(source, non_blocking=True)
+        ids = torch.tensor(block_ids[first : first + chunk], device=first_cache.device)
+        for layer, cache in enumerate(kv_caches):
+            cache.index_copy_(0, ids, staging[:, layer])
 
 
 def _as_bytes(block: torch.Tensor) -> bytes:

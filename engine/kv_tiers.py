@@ -4,7 +4,10 @@ host tier (engine/host_tier.py) and what the shared tier needs of it.
 The worker moves shared-tier bytes itself (services, over the network); here
 it finds how much of a prompt is already local, and pins host-tier slots for
 the worker to read (export) or fill (import) from its own threads: the engine
-thread only does the bookkeeping, never a copy.
+thread only does the bookkeeping, never a copy. Blocks a KV store on this host
+lends (its shared memory, mapped here) skip the host tier: the worker copies
+them from its own thread straight into device blocks held for them
+(`import_device_begin`, `copy_into_blocks`, `import_device_end`).
 
 What the host tier copies: every block the device frees, at once ("all"), or
 the blocks a prompt has hit, when the device evicts them ("reused", a
@@ -17,11 +20,13 @@ writes copy the blocks they need on demand (`export_begin`).
 
 from __future__ import annotations
 
+import torch
+
 from basis.block_hash import hash_prompt_blocks
 from basis.host_regions import available_host_gb
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
-from engine.host_tier import HostTier
+from engine.host_tier import HostTier, copy_rows_to_blocks
 from engine.kv_cache_manager import KVCacheManager
 
 DEFAULT_FRACTION = 0.2  # of the host memory available at start-up
@@ -47,6 +52,7 @@ class KVTiers:
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
+        self._import_stream = None  # copies of lent blocks into the device, on CUDA
         # Without prefix caching nothing could ever hit the host tier. A parallel engine's
         # rank 0 holds only its part of each block (its heads, its stage's layers), so
         # the tiers below the device, which would move only that part, are off there.
@@ -130,6 +136,56 @@ class KVTiers:
                 break
             count += 1
         return count
+
+    def peek_device_prefix(self, hashes: list[int]) -> int:
+        """How many leading `hashes` the device holds (like `peek_prefix_blocks`)."""
+        count = 0
+        for h in hashes:
+            if self.kv.pool.lookup(h) is None:
+                break
+            count += 1
+        return count
+
+    def import_device_begin(self, hashes: list[int], start: int, keep_free: int) -> list[int]:
+        """Device blocks to fill from outside for `hashes[start:]`, held (unreadable)
+        until `import_device_end`: none unless the device holds `hashes[:start]`
+        (a prefix continues on the device or not at all); at most as many as leave
+        `keep_free` blocks free, stopping at a hash the device holds already."""
+        if self.peek_device_prefix(hashes[:start]) < start:
+            return []
+        want = 0
+        for h in hashes[start:]:
+            if self.kv.pool.lookup(h) is not None:
+                break
+            want += 1
+        count = max(0, min(want, self.kv.pool.num_free_blocks - keep_free))
+        return [b.block_id for b in self.kv.pool.allocate(count)] if count else []
+
+    def copy_into_blocks(self, rows: list, block_ids: list[int]):
+        """Copies rows ([layers, *block] tensors in host memory) into the held device
+        blocks on a stream of its own, from the caller's thread; returns a function
+        that waits until they are done."""
+        device = self.kv_caches[0].device
+        if device.type != "cuda":
+            copy_rows_to_blocks(rows, block_ids, self.kv_caches)
+            return lambda: None
+        if self._import_stream is None:
+            self._import_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._import_stream):
+            copy_rows_to_blocks(rows, block_ids, self.kv_caches)
+            done = torch.cuda.Event()
+            done.record(self._import_stream)
+        return done.synchronize
+
+    def import_device_end(self, block_ids: list[int], hashes: list[int], filled: int) -> None:
+        """The first `filled` held blocks hold `hashes` (cached, free, found by the
+        next prompt like any device hit); the rest are let go empty."""
+        pool = self.kv.pool
+        blocks = [pool.blocks[i] for i in block_ids]
+        for block, block_hash in zip(blocks[:filled], hashes):
+            if pool.lookup(block_hash) is None:
+                pool.cache_block(block, block_hash)
+        pool.free(blocks[::-1])  # the tail is evicted first
 
     def export_begin(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, host slot) of the leading `hashes` readable in the host tier, each

@@ -255,10 +255,7 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if params.n != 1:
             raise ValueError("remote prefill needs n == 1")
-        if self._inflight is not None and self._inflight.sample is not None:
-            # Blocks freed while that step runs may still receive its writes; the ones
-            # reserved here are written from outside the engine's stream.
-            self._inflight.sample.wait()
+        self._settle_for_outside_writes()
         seq = self._new_sequence(
             request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
         )
@@ -277,6 +274,26 @@ class LLMEngine:
             # a prefix hit in the host tier: load it now (the rest arrives from outside)
             self.tiers.load_pending(outside_writes=True)
         return reservation
+
+    def _settle_for_outside_writes(self) -> None:
+        """Blocks freed while the in-flight step runs may still receive its writes: it
+        must be done before blocks taken now are written from outside its stream."""
+        if self._inflight is not None and self._inflight.sample is not None:
+            self._inflight.sample.wait()
+
+    # -- blocks lent by a KV store on this host (the worker copies them in) ---------
+    def import_device_begin(self, hashes: list[int], start: int) -> list[int]:
+        """Device blocks held for `hashes[start:]`, to be filled from outside (see
+        KVTiers.import_device_begin); a tenth of the pool stays free for running
+        sequences."""
+        self._settle_for_outside_writes()
+        ids = self.tiers.import_device_begin(hashes, start, self.kv.pool.num_usable_blocks // 10)
+        if ids:
+            self.tiers.load_pending(outside_writes=True)  # evicted blocks saved first
+        return ids
+
+    def import_device_end(self, block_ids: list[int], hashes: list[int], filled: int) -> None:
+        self.tiers.import_device_end(block_ids, hashes, filled)
 
     def commit_remote(
         self, request_id: str, token_id: int, logprob: float = 0.0, top=None

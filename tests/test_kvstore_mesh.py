@@ -1,7 +1,9 @@
 """The KV store in the mesh, with real processes, a real Redis and NATS: a new
 worker serves the next turn of a conversation from the shared tier (Redis, and
 the store's memory tier in front of it, as `yinian up` starts it); damaged
-blocks are caught and recomputed; Redis going away costs hits, never
+blocks are caught and recomputed; a new worker on the store's host copies
+the blocks the store lends straight to its device, and a damaged lent block is
+caught there too; Redis going away costs hits, never
 requests; a lost KV event is repaired by a resync; tenants never read each
 other's blocks. Every answer equals the engine's without any cache."""
 
@@ -22,6 +24,7 @@ from engine import LLM, SamplingParams
 from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.processes import free_port
+from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
 from services.kvstore.fingerprint import Fingerprint
 from yinian.mesh import Mesh, MeshSpec
@@ -135,6 +138,52 @@ def test_next_turn_on_a_new_worker_is_served_from_the_shared_tier(request, store
     # prompt and answer of turn 1 (98 tokens): 6 whole blocks, all from the shared tier
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert fetched_tokens(mesh) >= 96
+
+
+def test_a_new_worker_copies_lent_blocks_straight_to_its_device(memory_mesh, reference):
+    turn1 = random_prompts(500, (110,), seed=103)[0]
+    text1, out1 = expect(reference, turn1)
+    before = stored_blocks(memory_mesh, "A")
+    assert complete(memory_mesh, turn1)["choices"][0]["text"] == text1
+    wait_until(lambda: stored_blocks(memory_mesh, "A") >= before + 7, what="the turn's blocks")
+    fresh_worker(memory_mesh)
+    turn2 = turn1 + out1 + random_prompts(500, (9,), seed=104)[0]
+    answer = complete(memory_mesh, turn2)
+    assert answer["choices"][0]["text"] == expect(reference, turn2)[0]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 112
+    # lent by the store's memory tier, copied into device blocks: none went to the host tier
+    assert lent_tokens(memory_mesh, "lent") == 112 and lent_tokens(memory_mesh, "copied") == 0
+    gpu_hits = worker_metric(memory_mesh, "yinian:prefix_cache_hit_tokens", where='tier="gpu"')
+    assert sum(gpu_hits.values()) >= 112
+
+
+def test_a_damaged_lent_block_is_caught_and_recomputed(memory_mesh, reference, model_dir):
+    prompt = random_prompts(500, (70,), seed=105)[0]
+    want, _ = expect(reference, prompt)
+    before = stored_blocks(memory_mesh, "A")
+    assert complete(memory_mesh, prompt)["choices"][0]["text"] == want
+    wait_until(lambda: stored_blocks(memory_mesh, "A") >= before + 4, what="the prompt's blocks")
+    facts = reference.engine.facts
+    lent = stub(memory_mesh).Lend(kvstore_pb2.LendRequest(
+        tenant="A", fingerprint=model_fingerprint(str(model_dir("tiny-llama")), reference.engine),
+        block_bytes=facts.kv_block_bytes, block_hashes=hash_prompt_blocks(prompt, 16, "A"),
+    ), timeout=5)  # fmt: skip
+    assert len(lent.offsets) == 4
+    with open(lent.region.path, "r+b") as region:  # a bit flipped in the store's memory
+        region.seek(lent.offsets[0] + 100)
+        byte = region.read(1)[0]
+        region.seek(lent.offsets[0] + 100)
+        region.write(bytes([byte ^ 0x10]))
+    fresh_worker(memory_mesh)
+    answer = complete(memory_mesh, prompt)
+    assert answer["choices"][0]["text"] == want
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the chain broke at 0
+    assert sum(worker_metric(memory_mesh, "yinian:kv_shared_rejected_blocks_total").values()) == 1
+
+
+def lent_tokens(mesh, path: str) -> float:
+    where = f'path="{path}"'
+    return sum(worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total", where=where).values())
 
 
 def _payload_length(value: bytes) -> int:

@@ -198,6 +198,28 @@ class KvStoreClient:
             return []
         return list(zip(answer.parent_hashes, answer.checksums))
 
+    async def lend(
+        self, tenant: str, block_bytes: int, hashes: list[int]
+    ) -> tuple[tuple[str, int] | None, list[tuple[int, int, int]], float]:
+        """(the store's region (path, size) or None, [(offset, parent hash, checksum)]
+        of the leading blocks it lent, seconds they stay put). No region: the store
+        cannot lend (private memory, another block size, unreachable)."""
+        if not self.available:
+            return None, [], 0.0
+        request = kvstore_pb2.LendRequest(
+            tenant=tenant, fingerprint=self.model, block_bytes=block_bytes, block_hashes=hashes
+        )
+        try:
+            answer = await self.stub.Lend(request, timeout=self.timeout, metadata=grpc_metadata())
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older store lends nothing
+                self._failed("lend", exc)
+            return None, [], 0.0
+        if not answer.HasField("region"):
+            return None, [], 0.0
+        blocks = list(zip(answer.offsets, answer.parent_hashes, answer.checksums))
+        return (answer.region.path, answer.region.size), blocks, answer.lease_seconds
+
     async def close(self) -> None:
         await self.channel.close()
 

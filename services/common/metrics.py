@@ -95,7 +95,10 @@ KV_HANDOFF_FALLBACKS = Counter(
 
 # The shared KV tier as workers use it
 KV_SHARED_FETCHED_TOKENS = Counter(
-    "yinian:kv_shared_fetched_tokens", "Prompt tokens fetched from the shared tier", ["worker"]
+    "yinian:kv_shared_fetched_tokens",
+    "Prompt tokens fetched from the shared tier: lent (copied from the KV store's memory "
+    "straight to the device) or copied (into the host tier)",
+    ["worker", "path"],
 )
 KV_SHARED_BYTES = Counter(
     "yinian:kv_shared_bytes", "KV bytes moved to and from the shared tier", ["worker", "direction"]

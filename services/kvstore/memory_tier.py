@@ -3,20 +3,24 @@ of Redis. Same-host PutFrom and GetInto copy between a worker's host tier and
 this memory with threads at memory speed (no Python bytes, no Redis); remote
 Put and Get read and write it too.
 
-The memory is one anonymous mapping cut into slots of one block size
-(the first block stored fixes it; blocks of another size go to Redis). Each
-block keeps its owner namespace (tenant or public), fingerprint, parent hash
-and XXH3-64 checksum; a copy out is verified against the checksum before the
-caller is told it holds the block. Eviction is LRU with the shared tier's
-rules: a tenant over its quota evicts its own blocks, a full tier the least
-recently used; leased and in-copy blocks are skipped. An evicted block is
-offered to `on_evict` (the store spills it to Redis) before its slot is reused.
+The memory is one region cut into slots of one block size (the first block
+stored, or the first worker to ask for a lend, fixes it; blocks of another
+size go to Redis): a file in shared memory where there is room
+(memory_region.py), so that `lend` can tell a worker on this host where a
+block lies and the worker copies it to its GPU itself. Each block keeps its
+owner namespace (tenant or public), fingerprint, parent hash and XXH3-64
+checksum; a copy out is verified against the checksum before the caller is
+told it holds the block (a lent block is verified by its borrower). Eviction
+is LRU with the shared tier's rules: a tenant over its quota evicts its own
+blocks, a full tier the least recently used; leased, lent and in-copy blocks
+are skipped. An evicted block is offered to `on_evict` (the store spills it
+to Redis) before its slot is reused; a lent block's slot is never reused
+before its lend ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mmap
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -30,10 +34,12 @@ from services.common.kv_checksum import block_checksum
 from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.ledger import Ledger
+from services.kvstore.memory_region import MemoryRegion
 from services.kvstore.quotas import Quotas
 from services.kvstore.shared_tier import PutOutcome, TierSettings, readable
 
 Key = tuple[str, str, int]  # (owner namespace, fingerprint id, block hash)
+LEND_SECONDS = 5.0  # a lent block stays put this long: the borrower copies it well inside
 
 
 @dataclass(slots=True)
@@ -66,15 +72,19 @@ class MemoryTier:
         copy_threads: int = 8,
         on_change: Callable[[list[int], list[int]], None] = lambda stored, removed: None,
         on_evict: Callable[[Evicted], bool] = lambda evicted: False,
+        shared_memory: bool = True,
     ):
         self.capacity, self.quotas, self.ledger, self.settings = (
             capacity_bytes, quotas, ledger, settings,
         )  # fmt: skip
         self.on_change, self.on_evict = on_change, on_evict
         self.slot_bytes = 0  # fixed by the first block stored
-        self._map: mmap.mmap | None = None
+        self.shared_memory = shared_memory  # in a file workers on this host may map
+        self._region: MemoryRegion | None = None
+        self._opening = asyncio.Lock()
         self._rows: np.ndarray | None = None
         self._free: list[int] = []
+        self._cooling: list[tuple[float, int]] = []  # (lent until, slot) of dropped lent blocks
         self._entries: OrderedDict[Key, Entry] = OrderedDict()  # least recently used first
         self._pending: set[Key] = set()
         self._pins: Counter[int] = Counter()
@@ -136,10 +146,12 @@ class MemoryTier:
         block is rejected), otherwise they are computed here."""
         outcomes: list[PutOutcome | None] = [None] * len(blocks)
         todo: list[tuple[int, Key, int]] = []  # (index, key, slot)
-        for i, (block_hash, _, data) in enumerate(blocks):
+        for _, _, data in blocks:
             if not self.takes(len(data)):
                 raise ValueError(f"a block of {len(data)} bytes in slots of {self.slot_bytes}")
-            self._open(len(data))
+        if blocks:
+            await self.open(len(blocks[0][2]))
+        for i, (block_hash, _, _) in enumerate(blocks):
             key = (tenant, fingerprint.id, block_hash)
             if key in self._entries or key in self._pending:
                 if key in self._entries:
@@ -178,18 +190,21 @@ class MemoryTier:
             self.on_change(stored, [])
         return outcomes  # type: ignore[return-value]
 
-    def _open(self, slot_bytes: int) -> None:
-        if self._map is not None:
-            return
-        slots = self.capacity // slot_bytes
-        self.slot_bytes = slot_bytes
-        # private (nobody else maps it) and in huge pages where the kernel allows: a
-        # first write into a slot then costs one fault per 2 MiB, not one per 4 KiB
-        self._map = mmap.mmap(-1, slots * slot_bytes, flags=mmap.MAP_PRIVATE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        self._rows = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
-        self._free = list(range(slots - 1, -1, -1))
+    async def open(self, slot_bytes: int) -> None:
+        """Makes the region with slots of `slot_bytes`, once (in a thread: reserving
+        many GiB of shared memory takes seconds)."""
+        async with self._opening:
+            if self._region is not None:
+                return
+            slots = self.capacity // slot_bytes
+            region = await asyncio.to_thread(MemoryRegion, slots, slot_bytes, self.shared_memory)
+            self._region, self.slot_bytes, self._rows = region, slot_bytes, region.rows
+            self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def region(self) -> tuple[str, int] | None:
+        """(path, size) of the shared-memory file workers on this host map, if any."""
+        return self._region.shared if self._region is not None else None
 
     def _store_one(self, slot: int, data) -> int:
         row = self._rows[slot]
@@ -204,6 +219,7 @@ class MemoryTier:
         while limited and (self._tenant_blocks[tenant] + 1) * self.slot_bytes > quota:
             if not self._evict_one(tenant, "quota"):
                 return None, PutOutcome("rejected", "quota", f"tenant over its quota of {quota}")
+        self._reclaim_cooled()
         if not self._free and not self._evict_one(None, "capacity"):
             return None, PutOutcome(
                 "rejected", "capacity", "the memory tier is full of leased blocks"
@@ -275,6 +291,24 @@ class MemoryTier:
                 return n
         return len(entries)
 
+    async def lend(
+        self, tenant: str, fingerprint: Fingerprint, hashes, slot_bytes: int
+    ) -> list[tuple[int, Entry]]:
+        """(offset in the shared region, entry) of the leading blocks held here, each
+        kept in place (neither evicted nor overwritten) for LEND_SECONDS; none when
+        the region is private or its slots are of another size."""
+        if not self.takes(slot_bytes):
+            return []
+        await self.open(slot_bytes)
+        if self.region is None:
+            return []
+        entries = self.leading(tenant, fingerprint, hashes)
+        self.lease(fingerprint, hashes[: len(entries)], [key[0] for key, _ in entries])
+        until = time.monotonic() + LEND_SECONDS
+        for _, entry in entries:
+            entry.leased_until = max(entry.leased_until, until)
+        return [(entry.slot * self.slot_bytes, entry) for _, entry in entries]
+
     def block(self, owner: str, fingerprint: Fingerprint, block_hash: int) -> Block | None:
         """A copy of the block, verified; None when it is gone or fails verification
         (then it is dropped)."""
@@ -298,9 +332,18 @@ class MemoryTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._forget(key)
-            self._free.append(entry.slot)
+            if entry.leased_until > time.monotonic():  # a borrower may be reading it
+                self._cooling.append((entry.leased_until, entry.slot))
+            else:
+                self._free.append(entry.slot)
             if not self.holds_hash(key[2]):
                 self.on_change([], [key[2]])
+
+    def _reclaim_cooled(self) -> None:
+        if self._cooling:
+            now = time.monotonic()
+            self._free += [slot for until, slot in self._cooling if until <= now]
+            self._cooling = [(until, slot) for until, slot in self._cooling if until > now]
 
     async def _run(self, calls) -> list:
         """Runs (fn, slot, buffer) calls in the copy threads, in chunks, in order."""
@@ -317,11 +360,8 @@ class MemoryTier:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._rows = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
+        if self._region is not None:
+            self._region.close()
 
 
 def _run_chunk(calls) -> list:

@@ -153,6 +153,23 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 parent_hashes=[p for p, _ in written], checksums=[c for _, c in written]
             )
 
+    async def Lend(self, request, context):
+        with _span("kvstore.lend", context, request.tenant, len(request.block_hashes)) as span:
+            lent = await self.store.lend(
+                request.tenant, fingerprint_of(request), request.block_bytes,
+                list(request.block_hashes),
+            )  # fmt: skip
+            span.set_attribute("yinian.served_blocks", len(lent.blocks))
+            if lent.region is None:
+                return kvstore_pb2.LendResponse()
+            return kvstore_pb2.LendResponse(
+                region=kvstore_pb2.SharedRegion(path=lent.region[0], size=lent.region[1]),
+                offsets=[o for o, _, _ in lent.blocks],
+                parent_hashes=[p for _, p, _ in lent.blocks],
+                checksums=[c for _, _, c in lent.blocks],
+                lease_seconds=lent.seconds,
+            )
+
     async def Stats(self, request, context):
         tenant = request.tenant if request.HasField("tenant") else None
         report = await self.store.stats(tenant)

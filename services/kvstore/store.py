@@ -17,7 +17,7 @@ from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.global_index import GlobalIndex
 from services.kvstore.ledger import Ledger, TenantCounters
-from services.kvstore.memory_tier import MemoryTier
+from services.kvstore.memory_tier import LEND_SECONDS, MemoryTier
 from services.kvstore.redis_guard import TierUnavailable
 from services.kvstore.shared_tier import PutOutcome, SharedTier
 
@@ -35,6 +35,16 @@ class Location:
 class LookupResult:
     locations: list[Location]
     shared_prefix_blocks: int
+
+
+@dataclass(slots=True)
+class Lent:
+    """Where the leading blocks lie in the memory tier's shared region, lent."""
+
+    region: tuple[str, int] | None  # (path, size); None: nothing can be lent here
+    slot_bytes: int = 0
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, parent, checksum)
+    seconds: float = 0.0  # how long each stays put
 
 
 @dataclass(slots=True)
@@ -223,6 +233,29 @@ class KvStore:
                 target[:] = block.payload
                 out.append((block.parent_hash, block.checksum))
         return out
+
+    async def lend(
+        self, tenant: str, fingerprint: Fingerprint, block_bytes: int, hashes: list[int]
+    ) -> Lent:
+        """The memory tier's leading blocks of `hashes`, for a worker on this host to
+        copy out of the shared region itself (and verify); with no hashes, only the
+        region (a worker mapping it ahead of any block)."""
+        check_tenant(tenant)
+        check_hashes(hashes)
+        if block_bytes <= 0 or block_bytes > self.max_block_bytes:
+            raise InvalidRequest(
+                f"block_bytes {block_bytes}; at most {self.max_block_bytes} (--max-block-bytes)"
+            )
+        mem = self.memory
+        if mem is None:
+            return Lent(None)
+        entries = await mem.lend(tenant, fingerprint, hashes, block_bytes)
+        if mem.region is None or mem.slot_bytes != block_bytes:
+            return Lent(None)
+        if entries:  # what it could not lend, the worker may still get (GetInto, Redis)
+            self.ledger.served(tenant, len(entries), 0, len(entries) * block_bytes)
+        blocks = [(offset, e.parent, e.checksum) for offset, e in entries]
+        return Lent(mem.region, mem.slot_bytes, blocks, LEND_SECONDS)
 
     async def get(self, tenant: str, fingerprint: Fingerprint, hashes) -> AsyncIterator[Block]:
         """The leading blocks the shared tier can serve, verified, in order."""

@@ -241,3 +241,29 @@ class GetIntoResponse(_message.Message):
     parent_hashes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, parent_hashes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LendRequest(_message.Message):
+    __slots__ = ("tenant", "fingerprint", "block_bytes", "block_hashes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    fingerprint: ModelFingerprint
+    block_bytes: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LendResponse(_message.Message):
+    __slots__ = ("region", "offsets", "parent_hashes", "checksums", "lease_seconds")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    region: SharedRegion
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    parent_hashes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    lease_seconds: float
+    def __init__(self, region: _Optional[_Union[SharedRegion, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., parent_hashes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...

@@ -64,6 +64,11 @@ class KvStoreStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.FromString,
                 _registered_method=True)
+        self.Lend = channel.unary_unary(
+                '/yinian.v1.KvStore/Lend',
+                request_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendResponse.FromString,
+                _registered_method=True)
 
 
 class KvStoreServicer:
@@ -114,6 +119,18 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lend(self, request, context):
+        """The zero-copy read on one host: where the leading blocks the store's memory
+        tier holds lie in its own shared memory (a file the caller maps), each kept
+        in place for `lease_seconds`; the caller copies them to its GPU itself and
+        verifies their checksums. No hashes: only the region (a caller mapping it
+        ahead of any block). A store whose memory is private, or whose slots are of
+        another size, names no region and lends nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +163,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.GetInto,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.SerializeToString,
+            ),
+            'Lend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lend,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +332,33 @@ class KvStore:
             '/yinian.v1.KvStore/GetInto',
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_kvstore__pb2.GetIntoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.KvStore/Lend',
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_kvstore__pb2.LendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""Blocks a KV store on this host lends: its memory tier is a file in shared
+memory that this worker maps (and, on CUDA, pins) once; for a prompt, the
+store says where the leading blocks it holds lie (Lend) and keeps them in
+place for a few seconds, and this worker copies them from there straight
+into device blocks the engine holds for them, checking every checksum while
+the copy runs. No byte passes through the store, the host tier or the
+engine's thread; the engine's next step finds them like any device hit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.host_memory import HostMemory, map_store_region
+from services.common.kv_checksum import block_checksum
+from services.common.shared_kv_link import SharedKvLink
+
+logger = logging.getLogger("services.common.shared_kv")
+_LEND_MARGIN = 1.0  # seconds: a lent block copied later than its lend minus this is not used
+
+
+class LentBlocks:
+    def __init__(self, link: SharedKvLink, verify_pool):
+        self.link = link
+        self.verify_pool = verify_pool
+        # the store's memory tier mapped here; None: not (yet) mapped, or another host
+        self.memory: HostMemory | None = None
+        self._copying = 0  # copies out of `memory` in flight
+
+    @property
+    def mapped(self) -> bool:
+        return self.memory is not None
+
+    async def introduce(self) -> None:
+        """Maps the store's region now (a Lend of no blocks names it), not on the
+        first prompt."""
+        region, _, _ = await self.link.client.lend("", self.link.block_bytes, [])
+        if region is not None:
+            await self.map(region)
+
+    async def map(self, region: tuple[str, int]) -> None:
+        """Maps (and on CUDA pins) the store's region, in a thread; the old one goes."""
+        cuda = self.link.engine.facts.device.type == "cuda"
+        try:
+            mapped = await asyncio.to_thread(map_store_region, region[0], region[1], cuda)
+        except OSError as exc:
+            logger.info("the KV store's memory is not mapped here (%s): its blocks come "
+                        "through the host tier", exc)  # fmt: skip
+            return
+        old, self.memory = self.memory, mapped
+        while old is not None and self._copying:  # the old one is unmapped once unread
+            await asyncio.sleep(0.01)
+        if old is not None:
+            old.close()
+        logger.info("mapped the KV store's memory tier %s (%.1f GiB, pinned: %s)",
+                    region[0], region[1] / (1 << 30), mapped.registered)  # fmt: skip
+
+    async def fetch(self, hashes: list[int], local: int, tenant: str) -> int:
+        """The blocks after `local` that the store lends, copied from its memory into
+        device blocks held for them (a prefix continues on the device: none when
+        part of `local` is in the host tier); how many were filled."""
+        if local >= len(hashes) or self.link.engine.peek_device_prefix(hashes[:local]) < local:
+            return 0
+        asked = time.monotonic()
+        region, blocks, seconds = await self.link.client.lend(
+            tenant, self.link.block_bytes, hashes[local:]
+        )
+        if region is None or not blocks:
+            return 0
+        if (str(self.memory.path), self.memory.size) != region:  # the store started again
+            asyncio.get_running_loop().create_task(self.map(region))
+            return 0
+        ids = await self.link.engine.import_device_begin(hashes[: local + len(blocks)], local)
+        blocks, held = blocks[: len(ids)], hashes[local : local + len(ids)]
+        self._copying += 1
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self._copy, blocks, ids, hashes, local, asked + seconds)
+        )
+        filled = 0
+        try:
+            filled = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])  # no block may be let go under its copy
+            raise
+        except Exception:
+            logger.exception("copying lent blocks failed; recomputing them")
+        finally:
+            self._copying -= 1
+            await self.link.engine.import_device_end(ids, held, filled)
+        for block_hash in held[:filled]:
+            self.link.remember(block_hash)
+        return filled
+
+    def _copy(self, blocks, ids: list[int], hashes: list[int], local: int,
+                   deadline: float) -> int:  # fmt: skip
+        """Copies lent blocks into device blocks `ids` and checks them (in a thread):
+        how many leading ones hold what their checksum says and fit the prompt."""
+        if not ids:
+            return 0
+        facts, memory = self.link.engine.facts, self.memory
+        step = facts.kv_dtype.itemsize
+        for offset, _, _ in blocks:
+            if offset % step or offset + self.link.block_bytes > memory.size:
+                logger.warning("the KV store lent a block outside its region; recomputing")
+                return 0
+        raw = [memory.tensor[o : o + self.link.block_bytes] for o, _, _ in blocks]
+        rows = [r.view(facts.kv_dtype).view(facts.num_layers, *facts.kv_block_shape) for r in raw]
+        wait = self.link.engine.copy_into_blocks(rows, ids)
+        try:  # checked while the copies run: both read the same lent memory
+            sums = list(self.verify_pool.map(lambda r: block_checksum(r.numpy()), raw))
+        finally:
+            wait()
+        if time.monotonic() > deadline - _LEND_MARGIN:
+            logger.warning("lent blocks copied too late to trust; recomputing them")
+            return 0
+        for n, (_, parent, checksum) in enumerate(blocks):
+            i = local + n
+            if parent != (hashes[i - 1] if i > 0 else 0) or sums[n] != checksum:
+                self.link.rejected(hashes[i])
+                return n
+        return len(blocks)
