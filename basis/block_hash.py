@@ -36,11 +36,19 @@ def hash_prompt_blocks(
     token_ids, block_size: int, namespace: str = "", public_tokens: int = 0
 ) -> list[int]:
     """Hashes of every full block of a token sequence, chained from the first; the
-    blocks within its first `public_tokens` tokens are in the public namespace."""
-    hashes: list[int] = []
-    parent = None
-    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
-        ns = block_namespace(i, block_size, namespace, public_tokens)
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], ns)
-        hashes.append(parent)
+    blocks within its first `public_tokens` tokens are in the public namespace.
+    (The same values as hash_block_tokens block by block, with the ids packed once.)"""
+    count = len(token_ids) // block_size
+    if count == 0:
+        return []
+    width = 8 * block_size
+    packed = struct.pack(f"<{count * block_size}q", *token_ids[: count * block_size])
+    names = (PUBLIC_NAMESPACE.encode() + b"\x00", namespace.encode() + b"\x00")
+    public_blocks = public_tokens // block_size
+    blake2b, parent, hashes = hashlib.blake2b, bytes(8), []
+    for i in range(count):
+        name = names[0] if i < public_blocks else names[1]
+        block = packed[i * width : (i + 1) * width]
+        parent = blake2b(parent + name + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
     return hashes

@@ -7,8 +7,8 @@ import time
 
 import httpx
 import pytest
-from otlp_receiver import OtlpReceiver
 
+from bench.otlp_receiver import OtlpReceiver
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 

@@ -7,9 +7,9 @@ import time
 
 import httpx
 import pytest
-from otlp_receiver import OtlpReceiver
 from test_hf_parity import random_prompts
 
+from bench.otlp_receiver import OtlpReceiver
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec

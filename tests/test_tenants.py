@@ -12,9 +12,9 @@ import time
 import grpc
 import httpx
 import pytest
-from otlp_receiver import OtlpReceiver
 from redis_server import RedisServer
 
+from bench.otlp_receiver import OtlpReceiver
 from proto.yinian.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec

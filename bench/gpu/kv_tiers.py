@@ -1,10 +1,15 @@
 """Measurements of the KV cache's tiers, for bench/gpu/kvstore.py.
 
 - `host_load`: the host tier's load path alone (HostTier.load of many blocks into
-  the device cache), timed with device events, in GB/s;
+  the device cache), timed with device events, in GB/s; and the engine's own time
+  to first token for a prompt recomputed and for a device hit, without the mesh;
 - `ttft_by_tier`: one prompt's time to first token through a mesh with its prefix
-  in no tier, on the device, in the host tier, and in the shared tier (Redis,
-  after the worker was replaced), each answer checked against the first.
+  in no tier, on the device, in the host tier, and in the shared tier (after the
+  worker was replaced: lent by the store's memory tier, or from Redis), each
+  answer checked against the first; where a device hit's time goes, by the
+  services' trace spans;
+- `cross_worker`: the prompt computed on one of two workers and served by the
+  other from the shared tier.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import httpx
 import torch
 
 from bench.gpu.timing import median_ms
-from engine import LLM
+from bench.otlp_receiver import OtlpReceiver, stages
+from engine import LLM, SamplingParams
 from yinian.mesh import Mesh
 from yinian.mesh_probe import list_workers, worker_metric
 
 
-def host_load(folder, engine: dict, blocks: int) -> dict:
-    """GB/s of loading `blocks` host-tier blocks into the device cache."""
+def host_load(folder, engine: dict, blocks: int, prompt: list[int] | None = None) -> dict:
+    """GB/s of loading `blocks` host-tier blocks into the device cache; with a
+    prompt, the engine's time to first token for it recomputed and as a device hit."""
     llm = LLM(folder, **engine)
     try:
         host = llm.engine.tiers.host
@@ -43,9 +50,28 @@ def host_load(folder, engine: dict, blocks: int) -> dict:
 
         ms = median_ms(load, str(llm.engine.facts.device.type))
         nbytes = blocks * host.bytes_per_block
-        return {"blocks": blocks, "bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6}
+        out = {"blocks": blocks, "bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6}
+        if prompt is not None:
+            out["engine_ttft"] = _engine_ttft(llm, prompt)
+        return out
     finally:
         llm.close()
+
+
+def _engine_ttft(llm: LLM, prompt: list[int]) -> dict:
+    """The engine's own first token for `prompt`: recomputed (after a warm-up prompt of
+    the same length), then as a device hit, REPEATS times (median kept)."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def timed(ids) -> float:
+        start = time.perf_counter()
+        llm.generate([ids], one)
+        return (time.perf_counter() - start) * 1e3
+
+    timed([(t + 1) % 1000 for t in prompt])  # the shapes, warmed up
+    none = timed(prompt)
+    hits = [timed(prompt) for _ in range(REPEATS)]
+    return {"none_ms": none, "gpu_ms": sorted(hits)[len(hits) // 2], "gpu_all_ms": hits}
 
 
 # One client, its connection kept: a client made per request (httpx.stream) spends
@@ -76,10 +102,12 @@ def _first_token(mesh: Mesh, prompt: list[int], model: str) -> dict:
 
 
 def ttft_by_tier(
-    mesh: Mesh, model: str, prompt: list[int], fillers: list[list[int]], warm: list[int]
-) -> dict:
+    mesh: Mesh, model: str, prompt: list[int], fillers: list[list[int]], warm: list[int],
+    traces: OtlpReceiver | None = None,
+) -> dict:  # fmt: skip
     """The mesh has one worker whose device pool holds less than prompt + fillers,
-    a host tier that holds them, and a KV store writing everything through."""
+    a host tier that holds them, and a KV store writing everything through (its
+    services export their spans to `traces`, if given)."""
     out = {"prompt_tokens": len(prompt)}
     # an unrelated prompt of the same length first: "none" is then a recompute, not a
     # first run's warm-up
@@ -89,7 +117,11 @@ def ttft_by_tier(
     # a tier's first hit may meet shapes the engine has not run before: each hit is
     # taken REPEATS times (the host tier's after pushing the prompt out again) and the
     # median kept, every time recorded
+    since = time.time_ns()
     gpu = [_first_token(mesh, prompt, model) for _ in range(REPEATS)]
+    if traces is not None:  # where a device hit's time goes, service by service
+        time.sleep(1.0)  # the services' span batches
+        out["gpu_stages"] = stages([s for s in traces.snapshot() if s.start_ns >= since])
     host = []
     for _ in range(REPEATS):
         for filler in fillers:  # pushes the prompt out of the device pool, into the host tier
@@ -104,9 +136,8 @@ def ttft_by_tier(
     mesh.respawn("worker-0", timeout=1800)
     _wait_healthy(mesh)
     out["shared"] = _first_token(mesh, prompt, model)
-    out["shared_fetched_tokens"] = sum(
-        worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values()
-    )
+    out["shared_fetched_tokens"] = _fetched(mesh)
+    out["shared_fetched_by_path"] = {p: _fetched(mesh, p) for p in ("lent", "copied")}
     out["shared_fetch_ms"] = _fetch_ms(mesh)
     texts = {tier: out[tier].pop("text") for tier in ("none", "gpu", "host", "shared")}
     out["same_answer"] = len(set(texts.values())) == 1
@@ -116,6 +147,13 @@ def ttft_by_tier(
     none = out["none"]["ttft_ms"]
     out["speedup_over_none"] = {t: none / out[t]["ttft_ms"] for t in ("gpu", "host", "shared")}
     return out
+
+
+def _fetched(mesh: Mesh, path: str = "") -> float:
+    """Prompt tokens the workers fetched from the shared tier: lent (copied from the
+    store's memory straight to the device), copied (into the host tier), or both."""
+    where = f'path="{path}"' if path else ""
+    return sum(worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total", where=where).values())
 
 
 def _fetch_ms(mesh: Mesh) -> float:
@@ -191,9 +229,8 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
             raise TimeoutError(f"the scheduler still lists {first}")
         time.sleep(0.2)
     out["other"] = _first_token(mesh, prompt, model)
-    out["fetched_tokens"] = sum(
-        worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total").values()
-    )
+    out["fetched_tokens"] = _fetched(mesh)
+    out["fetched_by_path"] = {p: _fetched(mesh, p) for p in ("lent", "copied")}
     out["fetch_ms"] = _fetch_ms(mesh)
     texts = {t: out[t].pop("text") for t in ("none", "gpu", "other")}
     out["same_answer"] = len(set(texts.values())) == 1

@@ -1,10 +1,10 @@
 """The KV store's workload: multi-turn conversations through `yinian bench serve`
 (token-id prompts, so the ideal reuse is exact), once on a mesh without the store
 (device prefix cache only) and once with it (host tier, KV store, Redis, write
-through `all`), on the same device pool. Recorded per run: throughput, TTFT, the
-cached prompt tokens against the ideal, where the hits came from (device, host,
-shared tier), fragmentation sampled while it ran; and whether every greedy answer
-was the same in both runs."""
+through `all`), on the same device pools and number of workers. Recorded per run:
+throughput, TTFT, the cached prompt tokens against the ideal, where the hits came
+from (device, host, shared tier), fragmentation sampled while it ran; and whether
+every greedy answer was the same in both runs."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class Workload:
     user_len: int
     output_len: int
     concurrency: int  # conversations in flight (each one turn at a time)
+    workers: int = 1
 
 
 class _Sampler:
@@ -80,10 +81,13 @@ def _tiers(mesh: Mesh) -> dict:
         return sum(worker_metric(mesh, metric, where=where).values())
 
     queried = total("yinian:prefix_cache_queried_tokens")
-    host = total("yinian:prefix_cache_hit_tokens", 'tier="host"')
-    shared = total("yinian:kv_shared_fetched_tokens_total")
-    hits = {"gpu": total("yinian:prefix_cache_hit_tokens", 'tier="gpu"'),
-            "host": host - shared, "shared": shared}  # fmt: skip
+    # shared-tier blocks land on the device (lent by the store's memory tier) or in the
+    # host tier (copied): the engine then counts their hits there
+    lent = total("yinian:kv_shared_fetched_tokens_total", 'path="lent"')
+    copied = total("yinian:kv_shared_fetched_tokens_total", 'path="copied"')
+    hits = {"gpu": total("yinian:prefix_cache_hit_tokens", 'tier="gpu"') - lent,
+            "host": total("yinian:prefix_cache_hit_tokens", 'tier="host"') - copied,
+            "shared": lent + copied, "shared_lent": lent}  # fmt: skip
     return {"queried_tokens": queried, "hit_tokens": hits,
             "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()}}  # fmt: skip
 
@@ -92,7 +96,7 @@ def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, texts = {}, {}
     for name, store in (("off", False), ("on", True)):
-        spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=store,
+        spec = MeshSpec(model=str(folder), workers=w.workers, port=free_port(), kvstore=store,
                         engine_argv=engine_argv_of(store),
                         worker_argv=["--kv-write-through", "all"] if store else [])  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)

@@ -2,10 +2,12 @@
 to first token with its prefix in each tier, and a multi-turn workload through
 `yinian bench serve` with the store on and off.
 
-On the GPU: llama3-8b (bf16, dummy weights), an 8k-token prefix, the workload at
-a rate near saturation. With `--device cpu` the same on tiny-llama: a dry run at
-tiny sizes, or, with `--conversations 200 --turns 5`, the CPU acceptance run
-(histories growing to about 2k tokens; the device pool holds a fraction of them).
+On the GPU: llama3-8b (bf16, dummy weights), an 8k-token prefix, the workload on
+two workers (200 conversations of 5 turns, histories growing to about 8k tokens,
+32 in flight: near saturation; each device pool holds a fraction of them). With
+`--device cpu` the same on tiny-llama: a dry run at tiny sizes, or, with
+`--conversations 200 --turns 5`, the CPU acceptance run (histories growing to
+about 2k tokens).
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
@@ -23,6 +25,7 @@ from bench.gpu.kv_workload import Workload, run_workload
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.loadgen.datasets import load_tokenizer, random_requests
+from bench.otlp_receiver import OtlpReceiver
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
@@ -39,13 +42,13 @@ class Setup:
 
 
 GPU = Setup("llama3-8b", "bfloat16", 8192, 2048, 16.0, 512,
-            Workload(conversations=200, turns=5, system_len=512, user_len=300,
-                     output_len=64, concurrency=64))  # fmt: skip
+            Workload(conversations=200, turns=5, system_len=512, user_len=1400,
+                     output_len=128, concurrency=32, workers=2))  # fmt: skip
 DRY = Setup("tiny-llama", "float32", 400, 96, 0.02, 64,
             Workload(conversations=6, turns=3, system_len=64, user_len=40,
-                     output_len=8, concurrency=3))  # fmt: skip
+                     output_len=8, concurrency=3, workers=2))  # fmt: skip
 CPU_FULL = Workload(conversations=200, turns=5, system_len=400, user_len=300,
-                    output_len=16, concurrency=8)  # fmt: skip
+                    output_len=16, concurrency=8, workers=1)  # fmt: skip
 
 
 def engine_argv(setup: Setup, device: str, store: bool) -> list[str]:
@@ -62,13 +65,15 @@ def engine_argv(setup: Setup, device: str, store: bool) -> list[str]:
     return argv + (["--load-format", "dummy"] if setup.preset not in ("tiny-llama",) else [])
 
 
-def tier_mesh(folder, setup: Setup, device: str) -> Mesh:
+def tier_mesh(folder, setup: Setup, device: str, traces: OtlpReceiver) -> Mesh:
     # every block goes down (an 8k prompt is 1 GiB of llama3-8b KV), and the shared tier
-    # holds the prompt and its fillers
+    # holds the prompt and its fillers; the services' spans go to `traces`
     spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=True,
                     engine_argv=engine_argv(setup, device, store=True),
                     worker_argv=["--kv-write-through", "all", "--kv-write-queue-mb", "16384"],
-                    kvstore_argv=["--capacity-bytes", str(32 << 30)])  # fmt: skip
+                    kvstore_argv=["--capacity-bytes", str(32 << 30)],
+                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
+                         "OTEL_BSP_SCHEDULE_DELAY": "200"})  # fmt: skip
     return Mesh(spec).start(timeout=1800)
 
 
@@ -108,15 +113,17 @@ def main(argv: list[str] | None = None) -> dict:
             "load_format": "auto" if setup.preset == "tiny-llama" else "dummy",
         }
         section("ceilings", lambda: _ceilings(device))
-        section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks))
         tok = load_tokenizer(folder)
         # enough fillers of the prompt's length to push it out of the device pool
         count = 2 + setup.device_blocks * 16 // setup.prefix_len + 1
         prompt, warm, *fillers = [r.prompt for r in random_requests(
             tok, count, setup.prefix_len, 4, seed=7, prompt_format="ids")]  # fmt: skip
-        mesh = section.resource(lambda: tier_mesh(folder, setup, device), Mesh.stop)
-        section("ttft_by_tier",
-                lambda: ttft_by_tier(mesh(), setup.preset, prompt, fillers, warm))  # fmt: skip
+        section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks, prompt))
+        traces = OtlpReceiver().start()
+        mesh = section.resource(lambda: tier_mesh(folder, setup, device, traces), Mesh.stop)
+        section("ttft_by_tier", lambda: ttft_by_tier(
+            mesh(), setup.preset, prompt, fillers, warm, traces))  # fmt: skip
+        traces.stop()
         mesh.close()  # one mesh at a time
         section("cross_worker",
                 lambda: _cross_worker(folder, setup, device, prompt, fillers[:4]))  # fmt: skip
@@ -148,6 +155,11 @@ def print_table(results: dict) -> None:
         ceiling = c.get("pinned_h2d_gbps") or c.get("copy_gbps")
         print(f"host tier load: {load['gbps']:.1f} GB/s ({load['blocks']} blocks), "
               f"{load['gbps'] / ceiling:.2f} of the copy ceiling")  # fmt: skip
+    if "engine_ttft" in load:
+        e = load["engine_ttft"]
+        print(
+            f"engine alone: TTFT recomputed {e['none_ms']:.1f} ms, device hit {e['gpu_ms']:.1f} ms"
+        )
     tiers = results.get("ttft_by_tier") or {}
     if "none" in tiers:
         for tier in ("none", "gpu", "host", "shared"):
@@ -155,11 +167,17 @@ def print_table(results: dict) -> None:
             print(f"TTFT, prefix {tier:6}: {row['ttft_ms']:8.1f} ms, "
                   f"cached {row['cached_tokens']}")  # fmt: skip
         print("speed-up over none:", json.dumps(tiers["speedup_over_none"]))
+        print("shared tier fetched by path:", json.dumps(tiers.get("shared_fetched_by_path")))
+        for stage, row in (tiers.get("gpu_stages") or {}).items():
+            print(f"  device hit: {stage:44} +{row['start_ms']:7.2f} ms  {row['ms']:7.2f} ms")
     cross = results.get("cross_worker") or {}
     if "other" in cross:
-        print(f"TTFT, prefix computed on another worker: {cross['other']['ttft_ms']:.1f} ms "
-              f"(recompute {cross['none']['ttft_ms']:.1f} ms: {cross['other_over_none']:.2f}x), "
-              f"cached {cross['other']['cached_tokens']}, same answer {cross['same_answer']}")
+        print(
+            f"TTFT, prefix computed on another worker: {cross['other']['ttft_ms']:.1f} ms "
+            f"(recompute {cross['none']['ttft_ms']:.1f} ms: {cross['other_over_none']:.2f}x), "
+            f"cached {cross['other']['cached_tokens']}, same answer {cross['same_answer']}, "
+            f"fetched {json.dumps(cross.get('fetched_by_path'))} in {cross['fetch_ms']:.0f} ms"
+        )
     work = results.get("workload") or {}
     for name in ("off", "on"):
         if name in work:

@@ -13,6 +13,7 @@ from services.common.errors import InvalidRequest
 
 MAX_DEPTH = 64  # nesting of arrays and objects in a body (JSON schemas included)
 _SURROGATE = re.compile("[\ud800-\udfff]")  # "\\ud800" in JSON: no character of UTF-8
+_SCALARS = {int, float, bool, type(None)}
 
 
 def decode_json(raw: bytes):
@@ -48,6 +49,8 @@ def check_values(body) -> None:
         if depth > MAX_DEPTH:
             raise InvalidRequest(f"the body is nested deeper than {MAX_DEPTH} levels")
         items = [*value, *value.values()] if isinstance(value, dict) else value
+        if set(map(type, items)) <= _SCALARS:  # a list of token ids, say: nothing inside
+            continue
         for item in items:
             if isinstance(item, str):
                 _check_text(item)

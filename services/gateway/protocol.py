@@ -227,7 +227,7 @@ def completion_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise InvalidRequest("the prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
+    if set(map(type, prompt)) <= {int, bool}:  # token ids (bools are refused by the id check)
         return [list(prompt)]
     return list(prompt)
 

@@ -1,8 +1,9 @@
-"""An in-process OTLP/gRPC trace receiver for tests: every span every
-service exports, flattened to plain records."""
+"""An in-process OTLP/gRPC trace receiver (tests, and benchmarks that break a
+request's time down by stage): every span every service exports, as plain records."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -73,3 +74,27 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def snapshot(self) -> list[SpanRecord]:
         with self._lock:
             return list(self.spans)
+
+
+def stages(spans: list[SpanRecord]) -> dict[str, dict[str, float]]:
+    """Per "service/span name", the median start after its trace's first span and the
+    median duration, in ms, over the traces in `spans`: where a request's time goes."""
+    traces: dict[str, list[SpanRecord]] = {}
+    for s in spans:
+        traces.setdefault(s.trace_id, []).append(s)
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for members in traces.values():
+        origin = min(s.start_ns for s in members)
+        for s in members:
+            key = f"{s.service}/{s.name}"
+            rows.setdefault(key, []).append(
+                ((s.start_ns - origin) / 1e6, (s.end_ns - s.start_ns) / 1e6)
+            )
+    out = {}
+    for key, values in sorted(rows.items(), key=lambda kv: statistics.median(v[0] for v in kv[1])):
+        out[key] = {
+            "start_ms": round(statistics.median(v[0] for v in values), 3),
+            "ms": round(statistics.median(v[1] for v in values), 3),
+            "n": len(values),
+        }
+    return out
