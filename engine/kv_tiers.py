@@ -52,7 +52,8 @@ class KVTiers:
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
-        self._import_stream = None  # copies of lent blocks into the device, on CUDA
+        device = kv_caches[0].device
+        self._compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         # Without prefix caching nothing could ever hit the host tier. A parallel engine's
         # rank 0 holds only its part of each block (its heads, its stage's layers), so
         # the tiers below the device, which would move only that part, are off there.
@@ -163,18 +164,19 @@ class KVTiers:
 
     def copy_into_blocks(self, rows: list, block_ids: list[int]):
         """Copies rows ([layers, *block] tensors in host memory) into the held device
-        blocks on a stream of its own, from the caller's thread; returns a function
-        that waits until they are done."""
+        blocks, from the caller's thread; returns a function that waits until they
+        are done. On CUDA the copies go on the compute stream (after the work queued
+        there, like the host tier's loads), whose memory pool holds what the steps
+        freed: a stream of its own would have to allocate fresh staging memory from
+        a device the KV cache has filled."""
         device = self.kv_caches[0].device
         if device.type != "cuda":
             copy_rows_to_blocks(rows, block_ids, self.kv_caches)
             return lambda: None
-        if self._import_stream is None:
-            self._import_stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(self._import_stream):
+        with torch.cuda.stream(self._compute_stream):
             copy_rows_to_blocks(rows, block_ids, self.kv_caches)
             done = torch.cuda.Event()
-            done.record(self._import_stream)
+            done.record(self._compute_stream)
         return done.synchronize
 
     def import_device_end(self, block_ids: list[int], hashes: list[int], filled: int) -> None:

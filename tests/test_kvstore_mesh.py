@@ -147,6 +147,8 @@ def test_a_new_worker_copies_lent_blocks_straight_to_its_device(memory_mesh, ref
     assert complete(memory_mesh, turn1)["choices"][0]["text"] == text1
     wait_until(lambda: stored_blocks(memory_mesh, "A") >= before + 7, what="the turn's blocks")
     fresh_worker(memory_mesh)
+    wait_until(lambda: sum(worker_metric(memory_mesh, "yinian:kv_store_memory_mapped").values()),
+               what="the new worker to map the store's memory")  # fmt: skip
     turn2 = turn1 + out1 + random_prompts(500, (9,), seed=104)[0]
     answer = complete(memory_mesh, turn2)
     assert answer["choices"][0]["text"] == expect(reference, turn2)[0]

@@ -135,6 +135,7 @@ def ttft_by_tier(
     mesh.kill("worker-0")
     mesh.respawn("worker-0", timeout=1800)
     _wait_healthy(mesh)
+    out["mapped_seconds"] = _wait_mapped(mesh)
     out["shared"] = _first_token(mesh, prompt, model)
     out["shared_fetched_tokens"] = _fetched(mesh)
     out["shared_fetched_by_path"] = {p: _fetched(mesh, p) for p in ("lent", "copied")}
@@ -188,6 +189,18 @@ def _settle(mesh: Mesh, quiet: float = 1.0, timeout: float = 120.0) -> float:
     return time.monotonic() - start
 
 
+def _wait_mapped(mesh: Mesh, timeout: float = 120.0) -> float:
+    """Waits until every worker has mapped (and pinned) the store's memory tier, whose
+    blocks it then copies straight to its device; the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        mapped = worker_metric(mesh, "yinian:kv_store_memory_mapped")
+        if mapped and all(mapped.values()):
+            break
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 def _wait_healthy(mesh: Mesh, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -205,10 +218,11 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
     on one worker and hit there once more (so the default write policy sends it
     down); that worker is then stopped, and the prompt served by the other from
     the shared tier. The answer is checked against the first."""
+    out = {"mapped_seconds": _wait_mapped(mesh)}
     for w in warm:  # both workers past their first prefill of this length
         _first_token(mesh, w, model)
     before = worker_metric(mesh, "yinian:prefix_cache_queried_tokens")
-    out = {"prompt_tokens": len(prompt), "none": _first_token(mesh, prompt, model)}
+    out |= {"prompt_tokens": len(prompt), "none": _first_token(mesh, prompt, model)}
     out["gpu"] = _first_token(mesh, prompt, model)
     out["settle_seconds"] = _settle(mesh)
     # the worker that took both requests (its load reports carry the count: wait for them)

@@ -11,6 +11,10 @@ about 2k tokens).
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
+           [--traces] [--runs off,on]
+`--traces`: the tier mesh's services export their spans here, and the device hit's
+stages are recorded (exporting them costs the services time: the TTFTs of such a run
+are not comparable). `--runs`: which workload runs (the store off, on, or both).
 Sections: ceilings, host_load, ttft_by_tier, cross_worker, workload.
 """
 
@@ -65,15 +69,15 @@ def engine_argv(setup: Setup, device: str, store: bool) -> list[str]:
     return argv + (["--load-format", "dummy"] if setup.preset not in ("tiny-llama",) else [])
 
 
-def tier_mesh(folder, setup: Setup, device: str, traces: OtlpReceiver) -> Mesh:
+def tier_mesh(folder, setup: Setup, device: str, traces: OtlpReceiver | None) -> Mesh:
     # every block goes down (an 8k prompt is 1 GiB of llama3-8b KV), and the shared tier
-    # holds the prompt and its fillers; the services' spans go to `traces`
+    # holds the prompt and its fillers; the services' spans go to `traces`, if given
+    env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
+                                     "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
     spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=True,
                     engine_argv=engine_argv(setup, device, store=True),
                     worker_argv=["--kv-write-through", "all", "--kv-write-queue-mb", "16384"],
-                    kvstore_argv=["--capacity-bytes", str(32 << 30)],
-                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
-                         "OTEL_BSP_SCHEDULE_DELAY": "200"})  # fmt: skip
+                    kvstore_argv=["--capacity-bytes", str(32 << 30)], env=env)  # fmt: skip
     return Mesh(spec).start(timeout=1800)
 
 
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--conversations", type=int)
     parser.add_argument("--turns", type=int)
+    parser.add_argument("--traces", action="store_true")
+    parser.add_argument("--runs", default="off,on")
     args = parser.parse_args(argv)
     setup = GPU if args.device == "cuda" else DRY
     if args.device == "cpu" and args.conversations:
@@ -119,11 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
         prompt, warm, *fillers = [r.prompt for r in random_requests(
             tok, count, setup.prefix_len, 4, seed=7, prompt_format="ids")]  # fmt: skip
         section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks, prompt))
-        traces = OtlpReceiver().start()
+        traces = OtlpReceiver().start() if args.traces else None
         mesh = section.resource(lambda: tier_mesh(folder, setup, device, traces), Mesh.stop)
         section("ttft_by_tier", lambda: ttft_by_tier(
             mesh(), setup.preset, prompt, fillers, warm, traces))  # fmt: skip
-        traces.stop()
+        if traces is not None:
+            traces.stop()
         mesh.close()  # one mesh at a time
         section("cross_worker",
                 lambda: _cross_worker(folder, setup, device, prompt, fillers[:4]))  # fmt: skip
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                 w,
                 lambda store: engine_argv(setup, device, store),
                 args.out.with_suffix(""),
+                runs=args.runs.split(","),
             ),
         )
         print_table(section.results)

@@ -13,6 +13,7 @@ import logging
 import time
 
 from engine.host_memory import HostMemory, map_store_region
+from services.common import metrics
 from services.common.kv_checksum import block_checksum
 from services.common.shared_kv_link import SharedKvLink
 
@@ -27,17 +28,19 @@ class LentBlocks:
         # the store's memory tier mapped here; None: not (yet) mapped, or another host
         self.memory: HostMemory | None = None
         self._copying = 0  # copies out of `memory` in flight
+        self._mapping: asyncio.Task | None = None
 
     @property
     def mapped(self) -> bool:
         return self.memory is not None
 
     async def introduce(self) -> None:
-        """Maps the store's region now (a Lend of no blocks names it), not on the
-        first prompt."""
+        """Maps the store's region (a Lend of no blocks names it) in the background:
+        pinning many GiB for the GPU takes seconds, and until it is done the blocks
+        come through the host tier (`yinian:kv_store_memory_mapped` says when)."""
         region, _, _ = await self.link.client.lend("", self.link.block_bytes, [])
         if region is not None:
-            await self.map(region)
+            self._mapping = asyncio.get_running_loop().create_task(self.map(region))
 
     async def map(self, region: tuple[str, int]) -> None:
         """Maps (and on CUDA pins) the store's region, in a thread; the old one goes."""
@@ -49,6 +52,7 @@ class LentBlocks:
                         "through the host tier", exc)  # fmt: skip
             return
         old, self.memory = self.memory, mapped
+        metrics.KV_STORE_MEMORY_MAPPED.labels(worker=self.link.worker_id).set(1)
         while old is not None and self._copying:  # the old one is unmapped once unread
             await asyncio.sleep(0.01)
         if old is not None:
@@ -62,7 +66,7 @@ class LentBlocks:
         part of `local` is in the host tier); how many were filled."""
         if local >= len(hashes) or self.link.engine.peek_device_prefix(hashes[:local]) < local:
             return 0
-        asked = time.monotonic()
+        times = [time.monotonic()]
         region, blocks, seconds = await self.link.client.lend(
             tenant, self.link.block_bytes, hashes[local:]
         )
@@ -71,15 +75,18 @@ class LentBlocks:
         if (str(self.memory.path), self.memory.size) != region:  # the store started again
             asyncio.get_running_loop().create_task(self.map(region))
             return 0
+        deadline = times[0] + seconds
+        times.append(time.monotonic())
         ids = await self.link.engine.import_device_begin(hashes[: local + len(blocks)], local)
         blocks, held = blocks[: len(ids)], hashes[local : local + len(ids)]
+        times.append(time.monotonic())
         self._copying += 1
         work = asyncio.ensure_future(
-            asyncio.to_thread(self._copy, blocks, ids, hashes, local, asked + seconds)
+            asyncio.to_thread(self._copy, blocks, ids, hashes, local, deadline)
         )
-        filled = 0
+        filled, phases = 0, (0.0, 0.0, 0.0)
         try:
-            filled = await asyncio.shield(work)
+            filled, phases = await asyncio.shield(work)
         except asyncio.CancelledError:
             await asyncio.wait([work])  # no block may be let go under its copy
             raise
@@ -87,36 +94,48 @@ class LentBlocks:
             logger.exception("copying lent blocks failed; recomputing them")
         finally:
             self._copying -= 1
+            times.append(time.monotonic())
             await self.link.engine.import_device_end(ids, held, filled)
+        times.append(time.monotonic())
         for block_hash in held[:filled]:
             self.link.remember(block_hash)
+        ms = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+        logger.info("lent %d of %d blocks (%.0f MiB) in %.1f ms: lend %.1f, hold %.1f, copy %.1f "
+                    "(issue %.1f, verify %.1f, wait %.1f), commit %.1f", filled, len(ids),
+                    filled * self.link.block_bytes / (1 << 20), 1e3 * (times[-1] - times[0]),
+                    ms[0], ms[1], ms[2], *phases, ms[3])  # fmt: skip
         return filled
 
-    def _copy(self, blocks, ids: list[int], hashes: list[int], local: int,
-                   deadline: float) -> int:  # fmt: skip
+    def _copy(self, blocks, ids: list[int], hashes: list[int], local: int, deadline: float):
         """Copies lent blocks into device blocks `ids` and checks them (in a thread):
-        how many leading ones hold what their checksum says and fit the prompt."""
+        how many leading ones hold what their checksum says and fit the prompt, and
+        the ms spent issuing the copies, verifying, and waiting for them."""
         if not ids:
-            return 0
+            return 0, (0.0, 0.0, 0.0)
         facts, memory = self.link.engine.facts, self.memory
         step = facts.kv_dtype.itemsize
         for offset, _, _ in blocks:
             if offset % step or offset + self.link.block_bytes > memory.size:
                 logger.warning("the KV store lent a block outside its region; recomputing")
-                return 0
+                return 0, (0.0, 0.0, 0.0)
+        times = [time.monotonic()]
         raw = [memory.tensor[o : o + self.link.block_bytes] for o, _, _ in blocks]
         rows = [r.view(facts.kv_dtype).view(facts.num_layers, *facts.kv_block_shape) for r in raw]
         wait = self.link.engine.copy_into_blocks(rows, ids)
+        times.append(time.monotonic())
         try:  # checked while the copies run: both read the same lent memory
             sums = list(self.verify_pool.map(lambda r: block_checksum(r.numpy()), raw))
+            times.append(time.monotonic())
         finally:
             wait()
+        times.append(time.monotonic())
+        phases = tuple(1e3 * (b - a) for a, b in zip(times, times[1:]))
         if time.monotonic() > deadline - _LEND_MARGIN:
             logger.warning("lent blocks copied too late to trust; recomputing them")
-            return 0
+            return 0, phases
         for n, (_, parent, checksum) in enumerate(blocks):
             i = local + n
             if parent != (hashes[i - 1] if i > 0 else 0) or sums[n] != checksum:
                 self.link.rejected(hashes[i])
-                return n
-        return len(blocks)
+                return n, phases
+        return len(blocks), phases

@@ -100,6 +100,12 @@ KV_SHARED_FETCHED_TOKENS = Counter(
     "straight to the device) or copied (into the host tier)",
     ["worker", "path"],
 )
+KV_STORE_MEMORY_MAPPED = Gauge(
+    "yinian:kv_store_memory_mapped",
+    "1 once the KV store's memory tier is mapped (and pinned) here: its blocks are lent "
+    "straight to the device",
+    ["worker"],
+)
 KV_SHARED_BYTES = Counter(
     "yinian:kv_shared_bytes", "KV bytes moved to and from the shared tier", ["worker", "direction"]
 )

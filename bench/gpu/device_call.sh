@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: installs the mesh's wheels (.whl, made by
+# ../shared/tools/gpu-wheels.sh and carried), restores the kernel caches (.kcache.tgz,
+# carried, if any), runs each `module args...` given as one quoted argument with
+# its output under $OUT, then brings the kernel caches and the meshes' logs back.
+#   bash bench/gpu/device_call.sh 480 "bench.gpu.kvstore --skip workload --out \$OUT/kvstore.json"
+# The first argument is the seconds all runs may take together (the call's limit
+# less the packing at the end).
+set -uo pipefail
+budget=$1
+shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=$PWD/.kcache/triton YINIAN_KERNEL_CACHE=$PWD/.kcache/select
+mkdir -p .kcache
+[ -f .kcache.tgz ] && tar xzf .kcache.tgz
+echo "== $(nproc) cores; $(free -g | awk '/Mem:/{print $2}') GiB; /dev/shm: $(df -h /dev/shm | tail -1)"
+deadline=$((SECONDS + budget))
+for run in "$@"; do
+  left=$((deadline - SECONDS))
+  [ "$left" -le 10 ] && { echo "== no time left for: $run"; break; }
+  name=$(echo "$run" | awk '{print $1}' | sed 's/.*\.//')
+  echo "== $run (up to ${left} s)"
+  eval timeout "$left" python3 -m "$run" 2>&1 | grep -v fork_posix | tee "$OUT/$name.log" | tail -40
+done
+tar czf "$OUT/kcache.tgz" .kcache
+tar czf "$OUT/meshlogs.tgz" --exclude='yinian-redis-*' /tmp/yinian-*/ 2>/dev/null
+ls -la "$OUT"
