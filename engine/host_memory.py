@@ -17,6 +17,7 @@ copies straight to its GPU.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -98,9 +99,36 @@ def map_store_region(path: str, size: int, cuda: bool) -> HostMemory:
         os.close(fd)
     memory = HostMemory(torch.frombuffer(mapped, dtype=torch.uint8), target, owned=False)
     if cuda:
-        err = torch.cuda.cudart().cudaHostRegister(memory.tensor.data_ptr(), size, 0)
-        if int(err) != 0:  # still usable, at the pageable rate
+        err = _register_without_gil(memory.tensor.data_ptr(), size)
+        if err != 0:  # still usable, at the pageable rate
             logger.warning("could not pin the KV store's region (error %s)", err)
         else:
             memory.registered = True
     return memory
+
+
+def _register_without_gil(pointer: int, size: int) -> int:
+    """cudaHostRegister through ctypes, which lets go of the GIL: pinning many GiB
+    takes seconds, and torch's binding would hold every other thread of the process
+    (its event loop, its metrics) for all of them. torch's binding where the CUDA
+    runtime library cannot be found."""
+    runtime = _cuda_runtime()
+    if runtime is None:
+        return int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
+    return runtime.cudaHostRegister(ctypes.c_void_p(pointer), ctypes.c_size_t(size), 0)
+
+
+def _cuda_runtime():
+    """The CUDA runtime library torch loaded (from this process's mappings)."""
+    torch.cuda.init()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None

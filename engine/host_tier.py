@@ -262,11 +262,32 @@ def copy_rows_to_blocks(
         part = rows[first : first + chunk]
         staging = torch.empty((len(part), *shape), dtype=first_cache.dtype,
                               device=first_cache.device)  # fmt: skip
-        for row, source in enumerate(part):
-            staging[row].copy_(source, non_blocking=True)
+        for start, count in _runs(part):  # rows side by side in memory: one copy each run
+            source = part[start]
+            if count > 1:
+                source = source.as_strided(
+                    (count, *source.shape), (source.numel(), *source.stride())
+                )
+            staging[start : start + count].copy_(source, non_blocking=True)
         ids = torch.tensor(block_ids[first : first + chunk], device=first_cache.device)
         for layer, cache in enumerate(kv_caches):
             cache.index_copy_(0, ids, staging[:, layer])
+
+
+def _runs(rows: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(first, count) of each run of rows that lie one after another in one storage."""
+    runs: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        if runs and i > 0:
+            last = rows[i - 1]
+            end = last.data_ptr() + last.numel() * last.element_size()
+            if row.data_ptr() == end and row.untyped_storage().data_ptr() == (
+                last.untyped_storage().data_ptr()
+            ):
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                continue
+        runs.append((i, 1))
+    return runs
 
 
 def _as_bytes(block: torch.Tensor) -> bytes:
