@@ -28,19 +28,19 @@ class LentBlocks:
         # the store's memory tier mapped here; None: not (yet) mapped, or another host
         self.memory: HostMemory | None = None
         self._copying = 0  # copies out of `memory` in flight
-        self._mapping: asyncio.Task | None = None
 
     @property
     def mapped(self) -> bool:
         return self.memory is not None
 
     async def introduce(self) -> None:
-        """Maps the store's region (a Lend of no blocks names it) in the background:
-        pinning many GiB for the GPU takes seconds, and until it is done the blocks
-        come through the host tier (`yinian:kv_store_memory_mapped` says when)."""
+        """Maps the store's region (a Lend of no blocks names it) before the worker
+        takes requests: pinning many GiB for the GPU takes seconds, during which the
+        kernel holds this process's memory map (every thread that faults waits; a
+        worker doing it while registered missed its heartbeats)."""
         region, _, _ = await self.link.client.lend("", self.link.block_bytes, [])
         if region is not None:
-            self._mapping = asyncio.get_running_loop().create_task(self.map(region))
+            await self.map(region)
 
     async def map(self, region: tuple[str, int]) -> None:
         """Maps (and on CUDA pins) the store's region, in a thread; the old one goes."""
