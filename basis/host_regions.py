@@ -32,7 +32,8 @@ def available_host_gb() -> float:
 
 def default_store_memory_bytes() -> int:
     """The memory tier `yinian up` gives the KV store: an eighth of the host memory
-    available at start-up, at most 16 GiB (it is allocated as blocks arrive)."""
+    available at start-up, at most 16 GiB (allocated as blocks arrive, or when GPU
+    workers on the host pin it to copy lent blocks)."""
     return int(min(available_host_gb() / 8, 16.0) * (1 << 30)) or (64 << 20)
 
 
