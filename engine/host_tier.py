@@ -269,7 +269,9 @@ def copy_rows_to_blocks(
                     (count, *source.shape), (source.numel(), *source.stride())
                 )
             staging[start : start + count].copy_(source, non_blocking=True)
-        ids = torch.tensor(block_ids[first : first + chunk], device=first_cache.device)
+        ids = torch.tensor(block_ids[first : first + chunk])
+        if first_cache.device.type == "cuda":  # pinned, so the copy does not wait for the rows
+            ids = ids.pin_memory().to(first_cache.device, non_blocking=True)
         for layer, cache in enumerate(kv_caches):
             cache.index_copy_(0, ids, staging[:, layer])
 

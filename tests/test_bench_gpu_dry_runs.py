@@ -58,6 +58,7 @@ EXPECTED = {
     "kvstore": {"ceilings": "ok", "host_load": "ok", "ttft_by_tier": "ok", "cross_worker": "ok",
                 "workload": "ok"},
     "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
+    "lend_copy": {"ceilings": "ok", "host_tier": "ok", "store_region": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",

@@ -25,6 +25,7 @@ SCRIPTS = (
     "mla",
     "kvstore",
     "kv_serving",
+    "lend_copy",
     "experts",
     "parallel",
     "long_streams",

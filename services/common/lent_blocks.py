@@ -1,5 +1,6 @@
 """Blocks a KV store on this host lends: its memory tier is a file in shared
-memory that this worker maps (and, on CUDA, pins) once; for a prompt, the
+memory that this worker maps (and, on CUDA, pins: engine/store_memory.py) once,
+in the background; for a prompt, the
 store says where the leading blocks it holds lie (Lend) and keeps them in
 place for a few seconds, and this worker copies them from there straight
 into device blocks the engine holds for them, checking every checksum while
@@ -12,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from engine.host_memory import HostMemory, map_store_region
+from engine.store_memory import StoreMemory
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
 from services.common.shared_kv_link import SharedKvLink
@@ -26,27 +27,29 @@ class LentBlocks:
         self.link = link
         self.verify_pool = verify_pool
         # the store's memory tier mapped here; None: not (yet) mapped, or another host
-        self.memory: HostMemory | None = None
+        self.memory: StoreMemory | None = None
         self._copying = 0  # copies out of `memory` in flight
+        self._mapping: asyncio.Task | None = None
 
     @property
     def mapped(self) -> bool:
         return self.memory is not None
 
     async def introduce(self) -> None:
-        """Maps the store's region (a Lend of no blocks names it) before the worker
-        takes requests: pinning many GiB for the GPU takes seconds, during which the
-        kernel holds this process's memory map (every thread that faults waits; a
-        worker doing it while registered missed its heartbeats)."""
+        """Maps the store's region (a Lend of no blocks names it) in the background:
+        pinning many GiB for the GPU takes seconds, and until it is done the blocks
+        come through the host tier (`yinian:kv_store_memory_mapped` says when)."""
         region, _, _ = await self.link.client.lend("", self.link.block_bytes, [])
         if region is not None:
-            await self.map(region)
+            self._mapping = asyncio.get_running_loop().create_task(self.map(region))
 
     async def map(self, region: tuple[str, int]) -> None:
         """Maps (and on CUDA pins) the store's region, in a thread; the old one goes."""
         cuda = self.link.engine.facts.device.type == "cuda"
         try:
-            mapped = await asyncio.to_thread(map_store_region, region[0], region[1], cuda)
+            mapped = await asyncio.to_thread(
+                StoreMemory, region[0], region[1], self.link.block_bytes, cuda
+            )
         except OSError as exc:
             logger.info("the KV store's memory is not mapped here (%s): its blocks come "
                         "through the host tier", exc)  # fmt: skip
@@ -58,7 +61,7 @@ class LentBlocks:
         if old is not None:
             old.close()
         logger.info("mapped the KV store's memory tier %s (%.1f GiB, pinned: %s)",
-                    region[0], region[1] / (1 << 30), mapped.registered)  # fmt: skip
+                    region[0], region[1] / (1 << 30), mapped.pinned)  # fmt: skip
 
     async def fetch(self, hashes: list[int], local: int, tenant: str) -> int:
         """The blocks after `local` that the store lends, copied from its memory into
@@ -112,14 +115,15 @@ class LentBlocks:
         the ms spent issuing the copies, verifying, and waiting for them."""
         if not ids:
             return 0, (0.0, 0.0, 0.0)
-        facts, memory = self.link.engine.facts, self.memory
-        step = facts.kv_dtype.itemsize
-        for offset, _, _ in blocks:
-            if offset % step or offset + self.link.block_bytes > memory.size:
-                logger.warning("the KV store lent a block outside its region; recomputing")
-                return 0, (0.0, 0.0, 0.0)
+        facts, memory, size = self.link.engine.facts, self.memory, self.link.block_bytes
+        try:
+            if any(o % size for o, _, _ in blocks):
+                raise ValueError("a block between slots")
+            raw = [memory.view(o, size) for o, _, _ in blocks]
+        except ValueError as exc:
+            logger.warning("the KV store lent a block outside its slots (%s); recomputing", exc)
+            return 0, (0.0, 0.0, 0.0)
         times = [time.monotonic()]
-        raw = [memory.tensor[o : o + self.link.block_bytes] for o, _, _ in blocks]
         # checked while the copies are issued and run: both read the same lent memory
         checks = [self.verify_pool.submit(block_checksum, r.numpy()) for r in raw]
         rows = [r.view(facts.kv_dtype).view(facts.num_layers, *facts.kv_block_shape) for r in raw]

@@ -69,7 +69,7 @@ class SharedKv:
 
     async def introduce(self) -> None:
         """Before any request: the store maps this worker's host tier, and this worker
-        maps (and on CUDA pins) the store's memory tier."""
+        starts mapping (and on CUDA pinning) the store's memory tier."""
         await self.reads.introduce()
 
     async def prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int = 0) -> int:

@@ -36,7 +36,7 @@ class SharedKvReads:
     async def introduce(self) -> None:
         """Names this worker's host tier to the store ahead of any block, so that it
         maps the memory now and not on the first fetch (a GetInto of no blocks), and
-        maps the store's memory tier here (pinning many GiB takes seconds)."""
+        starts mapping the store's memory tier here (in the background)."""
         link = self.link
         if link.region is not None:
             if await link.client.map_region(link.region, link.block_bytes) is None:

@@ -42,7 +42,7 @@ from services.common.worker_servicer import WorkerServicer, load_report
 
 logger = logging.getLogger(__name__)
 _SHARED_RESYNC = common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="worker follows the tier")
-_INTRODUCE_SECONDS = 60.0  # mapping and pinning the store's memory takes seconds
+_INTRODUCE_SECONDS = 30.0  # for the store to map our host tier and name its memory
 
 
 def model_fingerprint(model: str, engine: AsyncLLM):
@@ -153,12 +153,12 @@ class WorkerHost:
         bus = EventBus(config.nats_url, config.worker_id)
         await bus.connect()
         if self.shared is not None:
-            # before any request: the store maps our host tier, we map (and pin) its memory
+            # before any request: the store maps our host tier; we start mapping its memory
             try:
                 await asyncio.wait_for(self.shared.introduce(), _INTRODUCE_SECONDS)
             except asyncio.TimeoutError:
                 logger.warning("the KV store did not answer in %.0f s; starting without "
-                               "its memory mapped", _INTRODUCE_SECONDS)  # fmt: skip
+                               "its memory", _INTRODUCE_SECONDS)  # fmt: skip
         registration = Registration(config.scheduler, self.info, config.tls_files())
         await registration.register()
         await registration.listen(bus)
