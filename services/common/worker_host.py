@@ -42,7 +42,6 @@ from services.common.worker_servicer import WorkerServicer, load_report
 
 logger = logging.getLogger(__name__)
 _SHARED_RESYNC = common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="worker follows the tier")
-_INTRODUCE_SECONDS = 30.0  # for the store to map our host tier and name its memory
 
 
 def model_fingerprint(model: str, engine: AsyncLLM):
@@ -152,13 +151,6 @@ class WorkerHost:
         await self.server.start()
         bus = EventBus(config.nats_url, config.worker_id)
         await bus.connect()
-        if self.shared is not None:
-            # before any request: the store maps our host tier; we start mapping its memory
-            try:
-                await asyncio.wait_for(self.shared.introduce(), _INTRODUCE_SECONDS)
-            except asyncio.TimeoutError:
-                logger.warning("the KV store did not answer in %.0f s; starting without "
-                               "its memory", _INTRODUCE_SECONDS)  # fmt: skip
         registration = Registration(config.scheduler, self.info, config.tls_files())
         await registration.register()
         await registration.listen(bus)
@@ -170,6 +162,8 @@ class WorkerHost:
         if self.experts is not None:
             loops.append(asyncio.create_task(self.experts.run()))
         if self.shared is not None:
+            # the store maps our host tier, and we its memory, in the background
+            loops.append(asyncio.create_task(self.shared.introduce()))
             await self._follow_shared_tier(bus)
         await self.server.serving(True)
         logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)
