@@ -49,11 +49,16 @@ class AsyncLLM:
         namespace: str = "",
         public_tokens: int = 0,
         delta: bool = False,
+        validated: bool = False,
     ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs. A bad request is a ValueError here, before
+        anything changes (`validated`: the caller has run `validate` on these very
+        ids and params already; the check is not repeated)."""
         if self._thread.stopped:
             raise RuntimeError("the engine has shut down")
         prompt_ids = self._engine.tokenize(prompt)
-        self._engine.validate(prompt_ids, params)
+        if not validated:
+            self._engine.validate(prompt_ids, params)
         stream = self.open_stream(request_id)
         kwargs = dict(
             prompt=prompt,
@@ -63,6 +68,7 @@ class AsyncLLM:
             public_tokens=public_tokens,
             prompt_token_ids=prompt_ids,
             delta=delta,
+            validated=True,  # here, in the caller's thread: the engine's thread needs not
         )
         self._thread.add(request_id, kwargs)
         async for out in stream:

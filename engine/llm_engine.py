@@ -129,18 +129,22 @@ class LLMEngine:
         delta: bool = False,
         handoff=None,
         hold_seconds: float | None = None,
+        validated: bool = False,
     ) -> None:
         """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized.
         With `delta`, each output carries only the tokens and text new since the last.
         Prefill role: `handoff` sends the prompt's KV out layer by layer, and
-        `hold_seconds` keeps the blocks after the request finishes (see disaggregation)."""
+        `hold_seconds` keeps the blocks after the request finishes (see disaggregation).
+        `validated`: `validate` passed on these ids and params already (AsyncLLM runs it
+        in its caller's thread, so the engine's thread does not run it again)."""
         params = params if params is not None else SamplingParams()
         if self.closed:
             raise RuntimeError("the engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        self.validate(prompt_ids, params)
+        if not validated:
+            self.validate(prompt_ids, params)
         if handoff is not None and params.n != 1:
             raise ValueError("a request handed off to another worker must have n == 1")
         arrival = arrival_time if arrival_time is not None else time.monotonic()

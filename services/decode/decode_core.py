@@ -113,6 +113,7 @@ class DecodeCore:
                 namespace=tenant,
                 public_tokens=public_tokens,
                 delta=True,
+                validated=True,  # above, before the prefetch
             )
         generated: dict[int, list[int]] = {}
         async for out in outputs:
