@@ -180,6 +180,13 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none given)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        quantized = cfg.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise ValueError(
+                f"the checkpoint is quantized ({method}); only unquantized weights are served "
+                "(float32, bfloat16 or float16)"
+            )
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if key not in cfg:
                 raise ValueError(f"config.json lacks required field {key!r}")

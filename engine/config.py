@@ -8,6 +8,7 @@ from basis.flags import setting
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_QUANTIZATIONS = ("none",)  # weights run in --dtype; no quantized kernels yet
 _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "triton", "torch")
 _BACKUPS = ("all", "reused")
@@ -25,6 +26,12 @@ class EngineConfig:
         "auto",
         "safetensors, or dummy (random weights: config and tokenizer only)",
         choices=_LOAD_FORMATS,
+    )
+    quantization: str = setting(
+        "none",
+        "weight quantization: none is supported (weights run in --dtype); a quantized "
+        "checkpoint (fp8, awq, gptq, ...) is refused",
+        choices=_QUANTIZATIONS,
     )
     seed: int = setting(0, "seed for dummy weights and unseeded sampling")
     block_size: int = setting(16, "tokens per KV cache block")
@@ -97,6 +104,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; supported: "
+                f"{', '.join(_QUANTIZATIONS)} (weights run in --dtype)"
+            )
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"

@@ -250,7 +250,7 @@ class Mesh:
         argv = ["--model", self.spec.model, "--host", self.spec.host, "--port", str(ports[0]),
                 "--grpc-port", str(ports[1]), "--scheduler", self.scheduler_address]  # fmt: skip
         name = "gateway" if index == 0 else f"gateway-{index}"
-        return self._spawn(name, "services.gateway", [*argv, *self.spec.gateway_argv])
+        return self._spawn(name, "services.gateway", [*argv, *self.spec.gateway_argv], "gateway")
 
     def _spawn_expert(self, index: int) -> Child:
         argv = ["--model", self.spec.model, "--host", self.spec.host, "--scheduler",

@@ -6,6 +6,7 @@ that cannot start) is one line; Ctrl-C during start-up stops at once."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import threading
@@ -40,7 +41,24 @@ def add_up_parser(sub) -> None:
         help="gRPC (yinian.v1.Inference) port of the gateway",
     )
     p.add_argument("--nats-url", help="use this NATS instead of starting one")
-    p.add_argument("--api-keys", help="API key file for the gateway")
+    p.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an API key every request must send (Authorization: Bearer KEY); repeat it for "
+        "several, all of one tenant ('default'); --api-keys FILE names a tenant per key",
+    )
+    p.add_argument("--api-keys", help="API key file for the gateway: 'key tenant' per line")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        help="how the model writes tool calls (default: read from its chat template)",
+    )
     p.add_argument(
         "--tenant-limits",
         help="JSON file of per-tenant limits for the gateway: requests and tokens per minute, "
@@ -126,6 +144,18 @@ def add_up_parser(sub) -> None:
         default=5,
         help="a service that exits more often than this within a minute stops the mesh",
     )
+    p.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        default=512,
+        help="with --prefill and --decode: a prompt whose uncached part is shorter than this "
+        "many tokens is prefilled by its decode worker, not a prefill worker",
+    )
+    p.add_argument(
+        "--log-dir",
+        help="folder of every service's log, kept (default: a temporary folder, removed when "
+        "the mesh stops cleanly and kept, with its path printed, when it fails)",
+    )
     add_flags(p, TlsSettings, title="TLS (your own certificates)")
     add_engine_args(p)
     p.set_defaults(func=run_up)
@@ -151,9 +181,23 @@ def run_up(args) -> int:
         raise ValueError("prefill workers need decode workers (--decode N)")
     if args.experts < 0:
         raise ValueError("--experts must be >= 0")
+    if args.disagg_min_tokens < 0:
+        raise ValueError("--disagg-min-tokens must be >= 0")
+    check_model_folder(model, engine_options(args))
+    if args.api_key and args.api_keys:
+        raise ValueError("give --api-key or --api-keys FILE, not both")
+    if any(not key or set(key) & set(",: \t") for key in args.api_key):
+        raise ValueError("an --api-key must be non-empty, without commas, colons or spaces")
     gateway_argv = []
     if args.api_keys:
         gateway_argv += ["--api-keys", args.api_keys]
+    if args.served_model_name:
+        gateway_argv += ["--served-model-name", args.served_model_name]
+    if args.tool_call_parser:
+        gateway_argv += ["--tool-call-parser", args.tool_call_parser]
+    block_size = engine_options(args).get("block_size")
+    if block_size:  # placement hashes prompts in the workers' blocks
+        gateway_argv += ["--block-size", str(block_size)]
     if args.tenant_limits:
         gateway_argv += ["--tenant-limits", args.tenant_limits]
     if args.allow_unauthenticated:
@@ -171,7 +215,17 @@ def run_up(args) -> int:
         nats_url=args.nats_url,
         engine_argv=engine_argv(engine_options(args)),
         gateway_argv=gateway_argv,
-        scheduler_argv=["--expert-redundant-slots", str(args.expert_redundant_slots)],
+        scheduler_argv=[
+            "--expert-redundant-slots",
+            str(args.expert_redundant_slots),
+            "--disagg-min-tokens",
+            str(args.disagg_min_tokens),
+        ],  # fmt: skip
+        # keys go through the gateway's environment: never on a command line others can read
+        role_env={"gateway": {"YINIAN_API_KEYS": ",".join(f"{k}:default" for k in args.api_key)}}
+        if args.api_key
+        else {},
+        log_dir=Path(args.log_dir) if args.log_dir else None,
         gpus=[g.strip() for g in args.gpus.split(",") if g.strip()],
         kvstore=args.kvstore,
         redis_url=args.redis_url,
@@ -192,6 +246,15 @@ def run_up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh on {model} (logs in {mesh.log_dir}) ...", flush=True)
+    code = 1
+    try:
+        code = _serve(mesh, args, stop)
+        return code
+    finally:
+        _logs_after(mesh, keep=bool(args.log_dir) or code not in (0, 130))
+
+
+def _serve(mesh: Mesh, args, stop: threading.Event) -> int:
     try:
         mesh.start(timeout=args.start_timeout, cancel=stop)
     except StartCancelled:
@@ -212,8 +275,33 @@ def run_up(args) -> int:
         mesh.stop()
 
 
+def _logs_after(mesh: Mesh, keep: bool) -> None:
+    """The services' logs stay where --log-dir put them, or after a failure (the path
+    printed); a clean stop removes the temporary folder."""
+    if keep:
+        print(f"logs: {mesh.log_dir}", flush=True)
+    else:
+        shutil.rmtree(mesh.log_dir, ignore_errors=True)
+
+
+def check_model_folder(model: str, options: dict) -> None:
+    """ValueError, before anything starts, for a model folder no worker could load: no
+    config.json, an architecture or quantization it does not serve, no weights."""
+    from basis.model_config import ModelConfig
+
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{model}: not a model folder (no config.json)")
+    ModelConfig.from_pretrained(folder)  # its ValueError names what is wrong
+    weights = any(folder.glob("*.safetensors"))
+    if not weights and options.get("load_format") != "dummy":
+        raise ValueError(
+            f"{model}: no *.safetensors weights (--load-format dummy serves random weights)"
+        )
+
+
 def banner(mesh: Mesh, args) -> str:
-    name = mesh.spec.model.rstrip("/").split("/")[-1]
+    name = args.served_model_name or mesh.spec.model.rstrip("/").split("/")[-1]
     tls = mesh.spec.tls
     curl_tls = f"--cacert {tls.ca} " if tls and tls.ca else ""
     tls_line = (

@@ -117,14 +117,14 @@ def _serve(args) -> int:
     from bench.loadgen.metrics import parse_goodput
     from bench.loadgen.serve import ServeConfig, run_serve
 
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
     tokenizer = args.tokenizer or args.model
     if not tokenizer or not Path(tokenizer).is_dir():
-        raise ValueError("--tokenizer DIR (a model folder with tokenizer.json) is required")
+        tokenizer = _served_folder(base_url, args.api_key)
     tok = datasets.load_tokenizer(tokenizer)
     requests, info = build_requests(args, tok)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
-    base_url = args.base_url or f"http://{args.host}:{args.port}"
     chat = args.backend == "openai-chat" or "chat/completions" in (args.endpoint or "")
     cfg = ServeConfig(
         base_url=base_url,
@@ -153,6 +153,29 @@ def _serve(args) -> int:
     results = run_serve(cfg, requests, info)
     # Exit 1 when every request of some run failed: the numbers would mean nothing.
     return 1 if any(r["completed"] == 0 for r in results) else 0
+
+
+def _served_folder(base_url: str, api_key: str | None) -> str:
+    """The tokenizer's folder, asked of the server: its first model's `root` in
+    /v1/models, when that is a folder on this machine."""
+    import asyncio
+
+    import httpx
+
+    from bench.loadgen.client import model_cards
+
+    try:
+        cards = asyncio.run(model_cards(base_url, api_key))
+    except httpx.HTTPError as exc:
+        raise ValueError(
+            f"--tokenizer DIR is required: {base_url}/v1/models did not answer ({exc!r})"
+        ) from None
+    root = next((c.get("root") for c in cards if c.get("root")), None)
+    if not root or not (Path(root) / "tokenizer.json").is_file():
+        raise ValueError(
+            f"--tokenizer DIR is required: {base_url} serves no model folder on this machine"
+        )
+    return root
 
 
 def _engine(args) -> int:
@@ -200,7 +223,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--endpoint", help="default: /v1/completions or /v1/chat/completions")
     g.add_argument("--model", help="model name to send, or a model folder (also the tokenizer)")
     g.add_argument("--model-name", help="name to send when --model is a folder")
-    g.add_argument("--tokenizer", help="model folder with tokenizer.json (default: --model)")
+    g.add_argument(
+        "--tokenizer",
+        help="model folder with tokenizer.json (default: --model, else the folder the server "
+        "names in /v1/models)",
+    )
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     _add_dataset_args(p, ("--seed", "--dataset-seed"))
     g = p.add_argument_group("load")

@@ -171,8 +171,14 @@ def make_client(timeout_s: float, max_connections: int | None) -> httpx.AsyncCli
 
 async def list_models(base_url: str, api_key: str | None = None) -> list[str]:
     """Model ids from GET /v1/models, for runs that do not name a model."""
+    return [m["id"] for m in await model_cards(base_url, api_key)]
+
+
+async def model_cards(base_url: str, api_key: str | None = None) -> list[dict]:
+    """The model cards of GET /v1/models (id, and where a server says it, `root`: the
+    model's folder or hub name, as vLLM writes it)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=30) as client:
         resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
         resp.raise_for_status()
-        return [m["id"] for m in resp.json().get("data", [])]
+        return list(resp.json().get("data", []))

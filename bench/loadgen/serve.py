@@ -151,6 +151,7 @@ def _json_safe(value):
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def _base_name(cfg: ServeConfig, dataset: dict) -> str:
@@ -217,6 +218,7 @@ def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> 
             title = f"{cfg.model}, rate {rate:g}, {dataset.get('name', '')}"
             cdf = out_dir / f"{name}-cdf.png"
             result["plots"].append(str(plot_cdfs(latency_samples(runs), cdf, title)))
+            print(f"wrote {cdf}")
         result["result_file"] = str(out_dir / f"{name}.json")
         write_json(out_dir / f"{name}.json", result)
         print_summary(result, cfg.percentiles)
@@ -226,6 +228,8 @@ def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> 
         plots = []
         if cfg.plots:
             plots = [str(p) for p in plot_sweep(results, out_dir / f"{base}-sweep")]
+            for plot in plots:
+                print(f"wrote {plot}")
         write_json(out_dir / f"{base}-sweep.json", {"runs": summary, "plots": plots})
         print_sweep_table(results)
     return results

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from basis.model_config import ModelConfig
 from basis.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class GatewayCore:
         tool_call_parser: str = "",
     ):
         self.model_name = model_name
+        self.model_root = str(Path(model_dir).resolve())  # /v1/models' `root`, as vLLM's
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = self.model_config.context_length(max_model_len)

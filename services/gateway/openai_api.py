@@ -77,6 +77,7 @@ def create_app(
             "object": "model",
             "created": core.created,
             "owned_by": "yinian",
+            "root": core.model_root,
             "max_model_len": core.max_model_len,
         }
 

@@ -80,6 +80,7 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the model folder the gateway serves
     max_model_len: int
 
 
