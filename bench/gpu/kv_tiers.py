@@ -15,11 +15,13 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
 import torch
 
+from bench.gpu.py_profile import Profile, children
 from bench.gpu.timing import median_ms
 from bench.otlp_receiver import OtlpReceiver, stages
 from engine import LLM, SamplingParams
@@ -27,9 +29,12 @@ from yinian.mesh import Mesh
 from yinian.mesh_probe import list_workers, worker_metric
 
 
-def host_load(folder, engine: dict, blocks: int, prompt: list[int] | None = None) -> dict:
+def host_load(
+    folder, engine: dict, blocks: int, prompt: list[int] | None = None, profile: bool = False
+) -> dict:
     """GB/s of loading `blocks` host-tier blocks into the device cache; with a
-    prompt, the engine's time to first token for it recomputed and as a device hit."""
+    prompt, the engine's time to first token for it recomputed and as a device hit
+    (and, with `profile`, where this process's Python time goes over repeated hits)."""
     llm = LLM(folder, **engine)
     try:
         host = llm.engine.tiers.host
@@ -53,6 +58,11 @@ def host_load(folder, engine: dict, blocks: int, prompt: list[int] | None = None
         out = {"blocks": blocks, "bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6}
         if prompt is not None:
             out["engine_ttft"] = _engine_ttft(llm, prompt)
+            if profile:
+                one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                with Profile({"engine": os.getpid()}, PROFILE_SECONDS) as p:
+                    _repeat(lambda: llm.generate([prompt], one), PROFILE_SECONDS)
+                out["engine_profile"] = p.top(PROFILE_FRAMES)
         return out
     finally:
         llm.close()
@@ -78,6 +88,16 @@ def _engine_ttft(llm: LLM, prompt: list[int]) -> dict:
 # ~20 ms setting up before it sends, which is not the mesh's time.
 _CLIENT = httpx.Client(timeout=600)
 REPEATS = 3
+PROFILE_SECONDS, PROFILE_FRAMES = 4.0, 60
+
+
+def _repeat(fn, seconds: float) -> int:
+    """Calls fn again and again for `seconds`; how many times."""
+    start, count = time.monotonic(), 0
+    while time.monotonic() - start < seconds:
+        fn()
+        count += 1
+    return count
 
 
 def _first_token(mesh: Mesh, prompt: list[int], model: str) -> dict:
@@ -103,11 +123,12 @@ def _first_token(mesh: Mesh, prompt: list[int], model: str) -> dict:
 
 def ttft_by_tier(
     mesh: Mesh, model: str, prompt: list[int], fillers: list[list[int]], warm: list[int],
-    traces: OtlpReceiver | None = None,
+    traces: OtlpReceiver | None = None, profile: bool = False,
 ) -> dict:  # fmt: skip
     """The mesh has one worker whose device pool holds less than prompt + fillers,
     a host tier that holds them, and a KV store writing everything through (its
-    services export their spans to `traces`, if given)."""
+    services export their spans to `traces`, if given; with `profile`, where the
+    worker's and the gateway's Python time goes over repeated device hits)."""
     out = {"prompt_tokens": len(prompt)}
     # an unrelated prompt of the same length first: "none" is then a recompute, not a
     # first run's warm-up
@@ -122,6 +143,13 @@ def ttft_by_tier(
     if traces is not None:  # where a device hit's time goes, service by service
         time.sleep(1.0)  # the services' span batches
         out["gpu_stages"] = stages([s for s in traces.snapshot() if s.start_ns >= since])
+    if profile:
+        names = ["worker-0", "gateway", "scheduler"]
+        with Profile(children(mesh, names), PROFILE_SECONDS) as p:
+            out["gpu_profile_hits"] = _repeat(
+                lambda: _first_token(mesh, prompt, model), PROFILE_SECONDS
+            )
+        out["gpu_profile"] = p.top(PROFILE_FRAMES)
     host = []
     for _ in range(REPEATS):
         for filler in fillers:  # pushes the prompt out of the device pool, into the host tier

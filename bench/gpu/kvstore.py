@@ -11,10 +11,12 @@ about 2k tokens).
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
-           [--traces] [--runs off,on]
+           [--traces] [--profile] [--runs off,on]
 `--traces`: the tier mesh's services export their spans here, and the device hit's
 stages are recorded (exporting them costs the services time: the TTFTs of such a run
-are not comparable). `--runs`: which workload runs (the store off, on, or both).
+are not comparable). `--profile`: py-spy samples the engine alone and the tier
+mesh's worker, gateway and scheduler over repeated device hits (ranked frames in the
+results). `--runs`: which workload runs (the store off, on, or both).
 Sections: ceilings, host_load, ttft_by_tier, cross_worker, workload.
 """
 
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--conversations", type=int)
     parser.add_argument("--turns", type=int)
     parser.add_argument("--traces", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="off,on")
     args = parser.parse_args(argv)
     setup = GPU if args.device == "cuda" else DRY
@@ -124,11 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
         count = 2 + setup.device_blocks * 16 // setup.prefix_len + 1
         prompt, warm, *fillers = [r.prompt for r in random_requests(
             tok, count, setup.prefix_len, 4, seed=7, prompt_format="ids")]  # fmt: skip
-        section("host_load", lambda: host_load(str(folder), engine, setup.load_blocks, prompt))
+        section("host_load", lambda: host_load(
+            str(folder), engine, setup.load_blocks, prompt, args.profile))  # fmt: skip
         traces = OtlpReceiver().start() if args.traces else None
         mesh = section.resource(lambda: tier_mesh(folder, setup, device, traces), Mesh.stop)
         section("ttft_by_tier", lambda: ttft_by_tier(
-            mesh(), setup.preset, prompt, fillers, warm, traces))  # fmt: skip
+            mesh(), setup.preset, prompt, fillers, warm, traces, args.profile))  # fmt: skip
         if traces is not None:
             traces.stop()
         mesh.close()  # one mesh at a time
