@@ -1,9 +1,10 @@
 """What a vLLM user types works: `yinian up --served-model-name foo
 --tool-call-parser hermes --api-key k` serves `foo` behind that key, with tool
-calls; `yinian bench serve --num-prompts 20` against it needs no other flag (the
-tokenizer comes from the folder the server names) and says what it wrote; a
-clean stop removes the logs' temporary folder. A model folder no worker could
-load is refused before anything starts."""
+calls; the banner lists every service's metrics endpoint, and each answers with
+its own service's families only; `yinian bench serve --num-prompts 20` against
+it needs no other flag (the tokenizer comes from the folder the server names)
+and says what it wrote; a clean stop removes the logs' temporary folder. A
+model folder no worker could load is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 from test_supervisor import UpProcess
+
+from services.common import metrics
+from services.common.experts import metrics as _expert_metrics  # noqa: F401 - their families
 
 URL = "http://127.0.0.1:8000"
 WEATHER = {"type": "function", "function": {
@@ -40,6 +44,7 @@ def test_served_name_tool_parser_and_key_as_vllm_takes_them(tmp_path):
         up.wait_for("yinian is ready", timeout=240)
         logs = Path(re.search(r"logs in (\S+)\)", up.output).group(1))
         assert logs.is_dir()
+        _each_service_exports_its_own_metrics(up.output)
         assert httpx.get(f"{URL}/v1/models", timeout=10).status_code == 401
         key = {"Authorization": "Bearer k"}
         models = httpx.get(f"{URL}/v1/models", headers=key, timeout=10).json()["data"]
@@ -69,6 +74,18 @@ def test_served_name_tool_parser_and_key_as_vllm_takes_them(tmp_path):
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(timeout=60) == 0, up.output[-2000:]
     assert not logs.exists()  # a clean stop leaves no log folder behind
+
+
+def _each_service_exports_its_own_metrics(banner: str) -> None:
+    listed = dict(re.findall(r"^\s+(?:metrics:\s+)?(\S+)\s+(http://\S+/metrics)$", banner, re.M))
+    assert {"gateway", "scheduler", "kvstore", "worker-0"} <= set(listed), banner
+    owners = {"gateway": metrics.GATEWAY, "scheduler": metrics.SCHEDULER,
+              "kvstore": metrics.KVSTORE, "worker-0": metrics.WORKER}  # fmt: skip
+    for name, url in listed.items():
+        text = httpx.get(url, headers={"Authorization": "Bearer k"}, timeout=10).text
+        served = set(re.findall(r"^# TYPE (yinian:\S+)", text, re.M))
+        own = {n for names in owners[name]._collector_to_names.values() for n in names}
+        assert served and served <= own, (name, sorted(served - own))
 
 
 @pytest.mark.parametrize(

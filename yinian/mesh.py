@@ -299,6 +299,21 @@ class Mesh:
             time.sleep(0.1)
         raise StartCancelled("stopped while waiting for the gateway to be ready")
 
+    def metrics_endpoints(self) -> dict[str, str]:
+        """Each service's Prometheus endpoint: the gateways' /metrics, and what the
+        others' ready lines name ("... metrics HOST:PORT")."""
+        scheme = "https" if self.spec.tls is not None else "http"
+        out = {}
+        for child in self.children:
+            words = child.ready_line.split()
+            if "metrics" in words[:-1]:
+                out[child.name] = f"http://{words[words.index('metrics') + 1]}/metrics"
+        for i, (rest, _) in enumerate(self.gateway_ports):
+            out["gateway" if i == 0 else f"gateway-{i}"] = (
+                f"{scheme}://{self.spec.host}:{rest}/metrics"
+            )
+        return out
+
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 

@@ -300,6 +300,12 @@ def check_model_folder(model: str, options: dict) -> None:
         )
 
 
+def metrics_lines(mesh: Mesh) -> str:
+    """Every service's Prometheus endpoint, one per line under the banner's heading."""
+    pad = "\n" + " " * 18
+    return pad.join(f"{name:10} {url}" for name, url in mesh.metrics_endpoints().items())
+
+
 def banner(mesh: Mesh, args) -> str:
     name = args.served_model_name or mesh.spec.model.rstrip("/").split("/")[-1]
     tls = mesh.spec.tls
@@ -313,12 +319,13 @@ def banner(mesh: Mesh, args) -> str:
         tls_line += f"\n  expert services: {mesh.spec.experts} (placed by EPLB at the scheduler)"
     return f"""
 yinian is ready.
-  REST (OpenAI):  {mesh.url}/v1        metrics: {mesh.url}/metrics
+  REST (OpenAI):  {mesh.url}/v1
   health:         {mesh.url}/health/ready (a worker is ready)   {mesh.url}/health/live
   gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
   scheduler:      {mesh.scheduler_address}   NATS: {mesh.nats_url}
   KV store:       {kv_line(mesh)}{tls_line}
   model:          {name}
+  metrics:        {metrics_lines(mesh)}
 
   curl {curl_tls}{mesh.url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "prompt": "Strings are", "max_tokens": 32}}'

@@ -1,10 +1,32 @@
 """Prometheus metrics, named like vLLM's with a `yinian:` prefix. Each service
-exposes only the ones it owns; `serve_metrics` starts the scrape endpoint of
-a service without a web server of its own."""
+exposes only the ones it owns: every metric lives in its owner's registry
+(WORKER, GATEWAY, SCHEDULER, KVSTORE, EXPERT), which also carries the process's
+own (process_*, python_*). `serve_metrics` starts the scrape endpoint of a
+service without a web server of its own."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+WORKER, GATEWAY, SCHEDULER, KVSTORE, EXPERT = (_registry() for _ in range(5))
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -30,67 +52,98 @@ _LATENCY_BUCKETS = (
 
 # Engine-side (workers)
 NUM_REQUESTS_RUNNING = Gauge(
-    "yinian:num_requests_running", "Requests in the engine's running batch", ["worker"]
+    "yinian:num_requests_running",
+    "Requests in the engine's running batch",
+    ["worker"],
+    registry=WORKER,
 )
 NUM_REQUESTS_WAITING = Gauge(
-    "yinian:num_requests_waiting", "Requests waiting for the engine", ["worker"]
+    "yinian:num_requests_waiting", "Requests waiting for the engine", ["worker"], registry=WORKER
 )
-KV_CACHE_USAGE = Gauge("yinian:kv_cache_usage_ratio", "Fraction of KV blocks in use", ["worker"])
+KV_CACHE_USAGE = Gauge(
+    "yinian:kv_cache_usage_ratio", "Fraction of KV blocks in use", ["worker"], registry=WORKER
+)
 PREFIX_CACHE_HIT = Gauge(
     "yinian:prefix_cache_hit_ratio",
     "Prompt tokens served from the prefix cache / prompt tokens",
     ["worker"],
+    registry=WORKER,
 )
 PREFIX_HIT_TOKENS = Gauge(
     "yinian:prefix_cache_hit_tokens",
     "Prompt tokens served from cache so far, by the tier they came from",
     ["worker", "tier"],
+    registry=WORKER,
 )
 PREFIX_QUERIED_TOKENS = Gauge(
-    "yinian:prefix_cache_queried_tokens", "Prompt tokens looked up in the cache so far", ["worker"]
+    "yinian:prefix_cache_queried_tokens",
+    "Prompt tokens looked up in the cache so far",
+    ["worker"],
+    registry=WORKER,
 )
 KV_FRAGMENTATION = Gauge(
     "yinian:kv_fragmentation_ratio",
     "Allocated but unused token slots over allocated slots, in the device KV cache",
     ["worker"],
+    registry=WORKER,
 )
 HOST_KV_BYTES = Gauge(
     "yinian:host_kv_bytes",
     "Bytes moved between device and host tier so far",
     ["worker", "direction"],
+    registry=WORKER,
 )
 # Tensor/pipeline parallel workers, per rank
 RANK_BUSY_SECONDS = Gauge(
-    "yinian:rank_busy_seconds", "Seconds a rank spent computing steps", ["worker", "rank", "stage"]
+    "yinian:rank_busy_seconds",
+    "Seconds a rank spent computing steps",
+    ["worker", "rank", "stage"],
+    registry=WORKER,
 )
 RANK_COLLECTIVE_SECONDS = Gauge(
     "yinian:rank_collective_seconds",
     "Seconds a rank spent in collectives (all-reduce, gather)",
     ["worker", "rank", "stage"],
+    registry=WORKER,
 )
-RANK_STEPS = Gauge("yinian:rank_steps", "Steps a rank ran", ["worker", "rank", "stage"])
-WORKER_REQUESTS = Counter("yinian:worker_requests", "Requests a worker has taken", ["worker"])
-NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"])
+RANK_STEPS = Gauge(
+    "yinian:rank_steps", "Steps a rank ran", ["worker", "rank", "stage"], registry=WORKER
+)
+WORKER_REQUESTS = Counter(
+    "yinian:worker_requests", "Requests a worker has taken", ["worker"], registry=WORKER
+)
+NUM_PREEMPTIONS = Gauge("yinian:num_preemptions", "Preemptions so far", ["worker"], registry=WORKER)
 
 # KV handoffs (decode workers)
 KV_TRANSFER_BLOCKS = Counter(
-    "yinian:kv_transfer_blocks", "KV blocks received from prefill workers", ["worker", "transport"]
+    "yinian:kv_transfer_blocks",
+    "KV blocks received from prefill workers",
+    ["worker", "transport"],
+    registry=WORKER,
 )
 KV_TRANSFER_BYTES = Counter(
-    "yinian:kv_transfer_bytes", "KV bytes received from prefill workers", ["worker", "transport"]
+    "yinian:kv_transfer_bytes",
+    "KV bytes received from prefill workers",
+    ["worker", "transport"],
+    registry=WORKER,
 )
 KV_SKIPPED_BLOCKS = Counter(
     "yinian:kv_skipped_blocks",
     "Prompt blocks not transferred: already in this worker's prefix cache",
     ["worker"],
+    registry=WORKER,
 )
 KV_TRANSFER_SECONDS = Histogram(
     "yinian:kv_transfer_seconds",
     "Time from the prefill's end to the KV in place",
     buckets=_LATENCY_BUCKETS,
+    registry=WORKER,
 )
 KV_HANDOFF_FALLBACKS = Counter(
-    "yinian:kv_handoff_fallbacks", "Handoffs that failed and were prefilled locally", ["worker"]
+    "yinian:kv_handoff_fallbacks",
+    "Handoffs that failed and were prefilled locally",
+    ["worker"],
+    registry=WORKER,
 )
 
 # The shared KV tier as workers use it
@@ -99,28 +152,38 @@ KV_SHARED_FETCHED_TOKENS = Counter(
     "Prompt tokens fetched from the shared tier: lent (copied from the KV store's memory "
     "straight to the device) or copied (into the host tier)",
     ["worker", "path"],
+    registry=WORKER,
 )
 KV_STORE_MEMORY_MAPPED = Gauge(
     "yinian:kv_store_memory_mapped",
     "1 once the KV store's memory tier is mapped (and pinned) here: its blocks are lent "
     "straight to the device",
     ["worker"],
+    registry=WORKER,
 )
 KV_SHARED_BYTES = Counter(
-    "yinian:kv_shared_bytes", "KV bytes moved to and from the shared tier", ["worker", "direction"]
+    "yinian:kv_shared_bytes",
+    "KV bytes moved to and from the shared tier",
+    ["worker", "direction"],
+    registry=WORKER,
 )
 KV_SHARED_FETCH_SECONDS = Histogram(
     "yinian:kv_shared_fetch_seconds",
     "Lookup and fetch of a prompt's blocks from the shared tier",
     buckets=_LATENCY_BUCKETS,
+    registry=WORKER,
 )
 KV_SHARED_REJECTED = Counter(
     "yinian:kv_shared_rejected_blocks",
     "Shared-tier blocks that failed a worker's check and were recomputed",
     ["worker"],
+    registry=WORKER,
 )
 KV_SHARED_WRITTEN_BLOCKS = Counter(
-    "yinian:kv_shared_written_blocks", "Blocks written through to the shared tier", ["worker"]
+    "yinian:kv_shared_written_blocks",
+    "Blocks written through to the shared tier",
+    ["worker"],
+    registry=WORKER,
 )
 KV_SHARED_DROPPED_BLOCKS = Counter(
     "yinian:kv_shared_dropped_blocks",
@@ -128,32 +191,53 @@ KV_SHARED_DROPPED_BLOCKS = Counter(
     "(queue_full), the block had left the host tier (not_local), or the store refused "
     "or failed (store)",
     ["worker", "reason"],
+    registry=WORKER,
 )
 
 # Request-side (gateway)
 TTFT = Histogram(
-    "yinian:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS
+    "yinian:time_to_first_token_seconds",
+    "Time to first token",
+    buckets=_LATENCY_BUCKETS,
+    registry=GATEWAY,
 )
 ITL = Histogram(
-    "yinian:inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS
+    "yinian:inter_token_latency_seconds",
+    "Time between streamed tokens",
+    buckets=_LATENCY_BUCKETS,
+    registry=GATEWAY,
 )
 E2E = Histogram(
-    "yinian:e2e_request_latency_seconds", "Request latency end to end", buckets=_LATENCY_BUCKETS
+    "yinian:e2e_request_latency_seconds",
+    "Request latency end to end",
+    buckets=_LATENCY_BUCKETS,
+    registry=GATEWAY,
 )
-REQUESTS = Counter("yinian:request_total", "Finished requests", ["finish_reason"])
-PROMPT_TOKENS = Counter("yinian:prompt_tokens_total", "Prompt tokens")
-GENERATION_TOKENS = Counter("yinian:generation_tokens_total", "Generated tokens")
-GATEWAY_IN_FLIGHT = Gauge("yinian:gateway_requests_in_flight", "Requests the gateway is serving")
+REQUESTS = Counter("yinian:request_total", "Finished requests", ["finish_reason"], registry=GATEWAY)
+PROMPT_TOKENS = Counter("yinian:prompt_tokens_total", "Prompt tokens", registry=GATEWAY)
+GENERATION_TOKENS = Counter("yinian:generation_tokens_total", "Generated tokens", registry=GATEWAY)
+GATEWAY_IN_FLIGHT = Gauge(
+    "yinian:gateway_requests_in_flight", "Requests the gateway is serving", registry=GATEWAY
+)
 RATE_LIMITED = Counter(
-    "yinian:rate_limited", "Requests refused by a tenant's limits (429)", ["reason"]
+    "yinian:rate_limited",
+    "Requests refused by a tenant's limits (429)",
+    ["reason"],
+    registry=GATEWAY,
 )
 MIGRATIONS = Counter(
-    "yinian:request_migrations", "Streams moved to another worker after theirs failed"
+    "yinian:request_migrations",
+    "Streams moved to another worker after theirs failed",
+    registry=GATEWAY,
 )
 
 # Scheduler
-PLACEMENTS = Counter("yinian:placements_total", "Placement decisions", ["outcome"])
-READY_WORKERS = Gauge("yinian:ready_workers", "Workers ready for placement", ["role"])
+PLACEMENTS = Counter(
+    "yinian:placements_total", "Placement decisions", ["outcome"], registry=SCHEDULER
+)
+READY_WORKERS = Gauge(
+    "yinian:ready_workers", "Workers ready for placement", ["role"], registry=SCHEDULER
+)
 
 # KV store (services/kvstore): the shared tier and the global index
 _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -161,58 +245,84 @@ KVSTORE_LOOKUP_BLOCKS = Counter(
     "yinian:kvstore_lookup_blocks",
     "Blocks Lookup asked of the shared tier: hit (in its prefix) or miss",
     ["tenant", "result"],
+    registry=KVSTORE,
 )
 KVSTORE_GET_BLOCKS = Counter(
     "yinian:kvstore_get_blocks",
     "Blocks Get was asked for: hit (served) or miss (missing or failed verification)",
     ["tenant", "result"],
+    registry=KVSTORE,
 )
 KVSTORE_BYTES = Counter(
-    "yinian:kvstore_bytes", "Block bytes into (put) and out of (get) the shared tier", ["direction"]
+    "yinian:kvstore_bytes",
+    "Block bytes into (put) and out of (get) the shared tier",
+    ["direction"],
+    registry=KVSTORE,
 )
 KVSTORE_EVICTIONS = Counter(
-    "yinian:kvstore_evictions", "Blocks evicted from the shared tier", ["tenant", "reason"]
+    "yinian:kvstore_evictions",
+    "Blocks evicted from the shared tier",
+    ["tenant", "reason"],
+    registry=KVSTORE,
 )
 KVSTORE_VERIFICATION_FAILURES = Counter(
     "yinian:kvstore_verification_failures",
     "Stored blocks that failed verification when read (dropped, never returned)",
     ["tenant", "reason"],
+    registry=KVSTORE,
 )
 KVSTORE_REJECTED_PUTS = Counter(
-    "yinian:kvstore_rejected_puts", "Blocks Put did not store", ["tenant", "reason"]
+    "yinian:kvstore_rejected_puts",
+    "Blocks Put did not store",
+    ["tenant", "reason"],
+    registry=KVSTORE,
 )
 KVSTORE_TENANT_BYTES = Gauge(
-    "yinian:kvstore_tenant_bytes", "Bytes a tenant holds in the shared tier", ["tenant"]
+    "yinian:kvstore_tenant_bytes",
+    "Bytes a tenant holds in the shared tier",
+    ["tenant"],
+    registry=KVSTORE,
 )
 KVSTORE_TENANT_QUOTA = Gauge(
-    "yinian:kvstore_tenant_quota_bytes", "A tenant's quota in the shared tier", ["tenant"]
+    "yinian:kvstore_tenant_quota_bytes",
+    "A tenant's quota in the shared tier",
+    ["tenant"],
+    registry=KVSTORE,
 )
 KVSTORE_REDIS_SECONDS = Histogram(
     "yinian:kvstore_redis_seconds",
     "Shared-tier round trips to Redis",
     ["op"],
     buckets=_REDIS_BUCKETS,
+    registry=KVSTORE,
 )
 KVSTORE_REDIS_ERRORS = Counter(
     "yinian:kvstore_redis_errors",
     "Shared-tier calls failed: Redis down, unreachable or slow",
     ["op"],
+    registry=KVSTORE,
 )
 KVSTORE_MEMORY_BLOCKS = Gauge(
-    "yinian:kvstore_memory_blocks", "Blocks in the KV store's memory tier (in front of Redis)"
+    "yinian:kvstore_memory_blocks",
+    "Blocks in the KV store's memory tier (in front of Redis)",
+    registry=KVSTORE,
 )
 KVSTORE_SPILLED_BLOCKS = Counter(
     "yinian:kvstore_spilled_blocks",
     "Blocks the memory tier evicted, by what became of them: stored in Redis, rejected by it, "
     "or dropped (the spill queue was full)",
     ["outcome"],
+    registry=KVSTORE,
 )
 KVSTORE_INDEX_BLOCKS = Gauge(
-    "yinian:kvstore_index_blocks", "Blocks in the global index, per worker tier", ["tier"]
+    "yinian:kvstore_index_blocks",
+    "Blocks in the global index, per worker tier",
+    ["tier"],
+    registry=KVSTORE,
 )
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
-    """Starts /metrics on `port` (0: any free port); returns the port."""
-    server, _thread = start_http_server(port, addr=host)
+def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
+    """Starts /metrics of `registry` on `port` (0: any free port); returns the port."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     return server.server_port

@@ -79,7 +79,7 @@ class WorkerHost:
         self.engine = AsyncLLM.from_model(config.model, **options)
         self.server = GrpcServer(config.host, config.port, config.tls_files())
         self.address = f"{config.address_host}:{self.server.port}"
-        metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
+        metrics_port = metrics.serve_metrics(config.metrics_port, config.host, metrics.WORKER)
         facts = self.engine.facts
         self.info = scheduler_pb2.WorkerInfo(
             worker_id=config.worker_id,
@@ -167,7 +167,8 @@ class WorkerHost:
             await self._follow_shared_tier(bus)
         await self.server.serving(True)
         logger.info("worker %s (%s) serving on %s", config.worker_id, config.role, self.address)
-        print(f"READY worker {config.worker_id} {self.address}", flush=True)
+        print(f"READY worker {config.worker_id} {self.address} metrics "
+              f"{self.info.metrics_address}", flush=True)  # fmt: skip
         signals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -106,7 +106,9 @@ async def run(config: ExpertConfig) -> None:
     server.add(expert_pb2_grpc.add_ExpertServicer_to_server,
                ExpertServicer(store, groups, config.expert_id), ["yinian.v1.Expert"])  # fmt: skip
     await server.start()
-    metrics_port = common_metrics.serve_metrics(config.metrics_port, config.host)
+    metrics_port = common_metrics.serve_metrics(
+        config.metrics_port, config.host, common_metrics.EXPERT
+    )
     bus = EventBus(config.nats_url, config.expert_id)
     await bus.connect()
     info = expert_pb2.ExpertServiceInfo(
@@ -125,7 +127,8 @@ async def run(config: ExpertConfig) -> None:
     await register(config, info)
     reports = asyncio.create_task(report_load(bus, store, config, info))
     await server.serving(True)
-    print(f"READY expert {config.expert_id} {info.address}", flush=True)
+    print(f"READY expert {config.expert_id} {info.address} metrics {info.metrics_address}",
+          flush=True)  # fmt: skip
     stop = stop_on_signals()
     await stop.wait()
     await server.serving(False)

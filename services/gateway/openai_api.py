@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from services.common import metrics
 from services.common.errors import NotFound
 from services.gateway.auth import Authenticator
 from services.gateway.chat_api import add_chat_route
@@ -69,7 +70,7 @@ def create_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics():
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.GATEWAY), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
         return {

@@ -141,7 +141,7 @@ async def run(config: KvStoreConfig) -> None:
     servicer = KvStoreServicer(store)
     server.add(kvstore_pb2_grpc.add_KvStoreServicer_to_server, servicer, ["yinian.v1.KvStore"])
     await server.start()
-    metrics.serve_metrics(config.metrics_port, config.host)
+    metrics_port = metrics.serve_metrics(config.metrics_port, config.host, metrics.KVSTORE)
     bus = EventBus(config.nats_url, "kvstore")
     await bus.connect()
     await EventHandlers(index, events, bus).listen()
@@ -151,7 +151,8 @@ async def run(config: KvStoreConfig) -> None:
     await take_snapshot(store, events)
     await publish_shared(bus, events)
     await server.serving(True)
-    print(f"READY kvstore {config.host}:{server.port}", flush=True)
+    print(f"READY kvstore {config.host}:{server.port} metrics {config.host}:{metrics_port}",
+          flush=True)  # fmt: skip
 
     stop = stop_on_signals()
     housekeeping = Housekeeping(store, tier, events)

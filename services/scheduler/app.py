@@ -111,13 +111,14 @@ async def run(config: SchedulerConfig) -> None:
     experts = ExpertPlane(config, config.tls_files())
     experts.add_to(server)
     await server.start()
-    metrics.serve_metrics(config.metrics_port, config.host)
+    metrics_port = metrics.serve_metrics(config.metrics_port, config.host, metrics.SCHEDULER)
     bus = EventBus(config.nats_url, "scheduler")
     await bus.connect()
     await EventHandlers(registry, index, bus).listen()
     await experts.subscribe(bus)
     await server.serving(True)
-    print(f"READY scheduler {config.host}:{server.port}", flush=True)
+    print(f"READY scheduler {config.host}:{server.port} metrics {config.host}:{metrics_port}",
+          flush=True)  # fmt: skip
 
     stop = stop_on_signals()
     while not stop.is_set():
