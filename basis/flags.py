@@ -9,7 +9,9 @@ default, type, help and environment variable are written once, on its field.
 
 A field `foo_bar` is the flag `--foo-bar`; its environment variable is
 `YINIAN_FOO_BAR` unless the field names another (`env=""`: none). Booleans
-take `--x/--no-x`, lists a comma-separated value. Validation stays in the
+take `--x/--no-x`, lists a comma-separated value, and a field named `*_bytes`
+a size: bytes, or with a unit (`512MiB`, `16GiB`; KiB, MiB, GiB, TiB, or
+K, M, G, T, all powers of 1024). Validation stays in the
 dataclass's `__post_init__`, which the parsed values go through.
 """
 
@@ -23,6 +25,23 @@ import typing
 from typing import Any
 
 ENV_PREFIX = "YINIAN_"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, where it has one and the text does not
+    say it already (flags made from config fields carry theirs)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and "%(default)" not in text
+            and default not in (None, False, "", [], argparse.SUPPRESS)
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def setting(
@@ -60,6 +79,23 @@ def _base_type(hint) -> tuple[type, bool]:
         rest = [a for a in args if a is not type(None)]
         return _base_type(rest[0])[0], True
     return hint, False
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `4096`, `512MiB`, `16GiB`, `1.5G` (every unit a power of 1024)."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _UNITS.get(value[-1:], 1) if value else 1
+    number = value[:-1] if scale != 1 else value
+    try:
+        size = float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (bytes, or e.g. 512MiB, 16GiB)") from None
+    if size < 0 or size != int(size):
+        raise ValueError(f"not a size: {text!r} (a whole, non-negative number of bytes)")
+    return int(size)
 
 
 def _is_list(kind) -> bool:
@@ -113,7 +149,8 @@ def add_flags(
         default = _default(field)
         from_env = os.environ.get(env) if env else None
         if from_env is not None:
-            default = _convert(kind, from_env)
+            sized = kind is int and field.name.endswith("_bytes")
+            default = parse_size(from_env) if sized else _convert(kind, from_env)
         help_text = field.metadata.get("help", "")
         shown = default if default is not dataclasses.MISSING else None
         if _is_list(kind) and shown:
@@ -133,6 +170,9 @@ def add_flags(
             kwargs["default"] = default
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind is int and field.name.endswith("_bytes"):
+            kwargs["type"] = parse_size
+            kwargs["help"] += " (a size: bytes, or e.g. 512MiB, 16GiB)"
         else:
             kwargs["type"] = (lambda k: lambda text: _convert(k, text))(kind)
             kwargs["metavar"] = field.name.upper()
@@ -164,7 +204,7 @@ def from_args(cls, args: argparse.Namespace, dest_prefix: str = "", **extra):
 def parse_config(cls, argv: list[str] | None, description: str, extend=None, extra=None):
     """Parses `argv` into `cls`; a value `__post_init__` rejects is a usage error.
     `extend(parser)` adds flags of its own; `extra(args)` returns the fields they fill."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=DefaultsFormatter)
     add_flags(parser, cls)
     if extend is not None:
         extend(parser)

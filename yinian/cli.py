@@ -11,9 +11,15 @@ import json
 import logging
 import sys
 
+from basis.flags import DefaultsFormatter
 from bench.loadgen.cli import add_bench_parser
 from engine.cli_args import add_engine_args, engine_options
+from engine.make_model import PRESETS
 from yinian.up import add_up_parser
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
+    """The command's description as written, every option's default shown."""
 
 
 def _make_model(args) -> int:
@@ -68,16 +74,30 @@ def _generate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="yinian", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="yinian", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        help="what this command logs (each service of `yinian up` logs to its own file)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write a Hugging Face model folder with random weights")
-    p.add_argument("--preset", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p = sub.add_parser(
+        "make-model",
+        help="write a Hugging Face model folder with random weights",
+        formatter_class=DefaultsFormatter,
+    )
+    p.add_argument("--preset", required=True, help=f"which model to write: {', '.join(PRESETS)}")
+    p.add_argument("--out", required=True, help="the folder to write (made if missing)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the weights written (default: the preset's)",
+    )
     p.add_argument(
         "--weights",
         action=argparse.BooleanOptionalAction,
@@ -86,15 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_make_model)
 
-    p = sub.add_parser("generate", help="generate offline with the engine")
+    p = sub.add_parser(
+        "generate", help="generate offline with the engine", formatter_class=DefaultsFormatter
+    )
     p.add_argument("--model", help="model folder (default: a tiny model made on first use)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per output")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
     p.add_argument("--sampling-seed", type=int, help="per-request sampling seed")
-    p.add_argument("-n", type=int, default=1)
+    p.add_argument("-n", type=int, default=1, help="outputs per prompt")
     add_engine_args(p)
     p.set_defaults(func=_generate)
 

@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from basis.flags import add_flags, from_args
+from basis.flags import DefaultsFormatter, add_flags, from_args
 from engine.cli_args import add_engine_args, engine_argv, engine_options
 from services.common.entry import StartupError
 from services.common.tls import TlsSettings
@@ -22,7 +22,9 @@ from yinian.supervisor import GaveUp, Supervisor
 
 
 def add_up_parser(sub) -> None:
-    p = sub.add_parser("up", help="run the whole mesh on this machine")
+    p = sub.add_parser(
+        "up", help="run the whole mesh on this machine", formatter_class=DefaultsFormatter
+    )
     p.add_argument("--model", help="model folder (default: the bundled pydoc-llama)")
     p.add_argument(
         "--workers",

@@ -18,6 +18,7 @@ import math
 import os
 from pathlib import Path
 
+from basis.flags import DefaultsFormatter
 from bench.loadgen import datasets
 
 
@@ -43,9 +44,11 @@ def _json_dict(text: str) -> dict:
 
 def _add_dataset_args(p: argparse.ArgumentParser, seed_flags: tuple[str, ...]) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=datasets.DATASETS, default="random")
+    g.add_argument("--dataset-name", choices=datasets.DATASETS, default="random",
+                   help="the prompts: random token ids, ShareGPT conversations, repeated "
+                   "prefixes, or multi-turn conversations")  # fmt: skip
     g.add_argument("--dataset-path", help="ShareGPT JSON file (sharegpt)")
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--num-prompts", type=int, default=1000, help="requests sent (per rate)")
     g.add_argument(*seed_flags, dest="seed", type=int, default=0, help="dataset and arrival seed")
     g.add_argument(
         "--prompt-format",
@@ -53,19 +56,31 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed_flags: tuple[str, ...]) -
         default="text",
         help="send prompts as text or as the token ids the server would see",
     )
-    g.add_argument("--random-input-len", "--input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", "--output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0)
-    g.add_argument("--random-prefix-len", type=int, default=0)
+    g.add_argument("--random-input-len", "--input-len", type=int, default=1024,
+                   help="prompt tokens (random)")  # fmt: skip
+    g.add_argument("--random-output-len", "--output-len", type=int, default=128,
+                   help="tokens to generate (random)")  # fmt: skip
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths vary uniformly by this fraction either side (random)")  # fmt: skip
+    g.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one prefix every prompt starts with (random)")  # fmt: skip
     g.add_argument("--sharegpt-output-len", type=int, help="fixed output length (sharegpt)")
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    g.add_argument("--multi-turn-num-turns", type=int, default=4)
-    g.add_argument("--multi-turn-system-len", type=int, default=256)
-    g.add_argument("--multi-turn-user-len", type=int, default=64)
-    g.add_argument("--multi-turn-output-len", type=int, default=64)
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="tokens of each shared prefix (prefix-repetition)")  # fmt: skip
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="tokens after it, in each prompt its own (prefix-repetition)")  # fmt: skip
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="distinct prefixes the prompts share (prefix-repetition)")  # fmt: skip
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="tokens to generate (prefix-repetition)")  # fmt: skip
+    g.add_argument("--multi-turn-num-turns", type=int, default=4,
+                   help="turns of each conversation (multi-turn)")  # fmt: skip
+    g.add_argument("--multi-turn-system-len", type=int, default=256,
+                   help="tokens of each conversation's system prompt (multi-turn)")  # fmt: skip
+    g.add_argument("--multi-turn-user-len", type=int, default=64,
+                   help="tokens of each user message (multi-turn)")  # fmt: skip
+    g.add_argument("--multi-turn-output-len", type=int, default=64,
+                   help="tokens to generate per turn (multi-turn)")  # fmt: skip
 
 
 def build_requests(args, tok) -> tuple[list[datasets.BenchRequest], dict]:
@@ -211,15 +226,18 @@ def _engine(args) -> int:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmark a server or the engine")
+    bench = subparsers.add_parser("bench", help="benchmark a server or the engine",
+                                  formatter_class=DefaultsFormatter)  # fmt: skip
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
-    p = sub.add_parser("serve", help="load an OpenAI-compatible server (vLLM bench serve)")
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server (vLLM bench serve)",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     g = p.add_argument_group("server")
     g.add_argument("--base-url", help="default: http://HOST:PORT")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--backend", choices=("openai", "openai-chat"), default="openai")
+    g.add_argument("--host", default="127.0.0.1", help="the server's host (without --base-url)")
+    g.add_argument("--port", type=int, default=8000, help="the server's port (without --base-url)")
+    g.add_argument("--backend", choices=("openai", "openai-chat"), default="openai",
+                   help="completions or chat completions")  # fmt: skip
     g.add_argument("--endpoint", help="default: /v1/completions or /v1/chat/completions")
     g.add_argument("--model", help="model name to send, or a model folder (also the tokenizer)")
     g.add_argument("--model-name", help="name to send when --model is a folder")
@@ -228,23 +246,31 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="model folder with tokenizer.json (default: --model, else the folder the server "
         "names in /v1/models)",
     )
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY)")  # fmt: skip
     _add_dataset_args(p, ("--seed", "--dataset-seed"))
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
     g.add_argument("--request-rates", type=_rates, help="a sweep, e.g. 1,2,4,inf")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    g.add_argument("--max-concurrency", type=int)
-    g.add_argument("--num-warmups", type=int, default=1)
+    g.add_argument("--max-concurrency", type=int,
+                   help="requests in flight at most (default: no limit)")  # fmt: skip
+    g.add_argument("--num-warmups", type=int, default=1,
+                   help="requests sent and not counted before the first rate")  # fmt: skip
     g.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
-    g.add_argument("--metric-percentiles", default="50,90,99")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--metric-percentiles", default="50,90,99",
+                   help="percentiles reported for every latency")  # fmt: skip
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate every requested token, end of sequence or not")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature sent (0: greedy)")  # fmt: skip
     g.add_argument("--extra-body", type=_json_dict, help="JSON merged into every request")
-    g.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-read timeout, s")
+    g.add_argument("--timeout", type=float, default=6 * 3600.0,
+                   help="seconds a response may stay silent before it fails")  # fmt: skip
     _add_output_args(p)
-    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                   help="write PNG plots of the latencies beside the JSON")  # fmt: skip
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument(
         "--cache-block-size",
         type=int,
@@ -256,7 +282,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     from engine.cli_args import add_engine_args
 
-    p = sub.add_parser("engine", help="offline throughput of the engine, in process")
+    p = sub.add_parser("engine", help="offline throughput of the engine, in process",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     p.add_argument("--model", help="model folder (default: a tiny model made on first use)")
     _add_dataset_args(p, ("--dataset-seed",))  # --seed is the engine's own option
     p.add_argument("--engine-options", type=_json_dict, help="engine options as a JSON object")
@@ -271,7 +298,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-dir", default=".", help="folder the result files are written to")
     p.add_argument("--result-filename", help="base name of the result files")
 
 

@@ -32,8 +32,9 @@ class KvStoreConfig(TlsSettings):
     memory_tier_bytes: int = setting(
         0,
         "bytes of the store's own memory tier in front of Redis: blocks of one size in the "
-        "store's memory, copied to and from workers' host tiers on this host by threads; what it "
-        "evicts spills into Redis (0: off)",
+        "store's memory (a shared-memory file where there is room), copied to and from workers' "
+        "host tiers on this host by threads or lent to their GPUs; what it evicts spills into "
+        "Redis (0: off)",
     )
     memory_spill_queue_bytes: int = setting(
         256 << 20, "bytes of evicted blocks waiting for Redis; beyond it they are dropped"
