@@ -14,7 +14,6 @@ from basis.sampling_params import SamplingParams
 from engine import AsyncLLM
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.experts.control import ExpertControl
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -30,7 +29,7 @@ PROMPTS = [
 
 def expert_cluster(model: str, experts: int, scheduler_argv=(), expert_argv=()) -> Mesh:
     """NATS, the scheduler and `experts` expert services; no worker, no gateway."""
-    spec = MeshSpec(model=model, workers=0, experts=experts, gateways=0, port=free_port(),
+    spec = MeshSpec(model=model, workers=0, experts=experts, gateways=0, port=0,
                     scheduler_argv=list(scheduler_argv), expert_argv=list(expert_argv))  # fmt: skip
     return Mesh(spec).start(timeout=120)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.processes import free_port
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 
@@ -20,7 +19,7 @@ def guarded_mesh_fixture():
     spec = MeshSpec(
         model=str(ensure_default_model()),
         workers=1,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu", "--max-num-seqs", "64", "--max-model-len", str(CONTEXT)],
         gateway_argv=["--max-model-len", str(CONTEXT), "--body-timeout", str(BODY_TIMEOUT)],
     )

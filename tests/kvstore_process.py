@@ -12,15 +12,14 @@ from collections import defaultdict
 
 import nats
 
-from services.common.processes import free_port, stop_process
+from services.common.processes import stop_process
 
 
 class KvStoreProcess:
     def __init__(self, nats_url: str, redis_url: str = "", *flags: str):
-        self.port = free_port()
-        self.metrics_port = free_port()
-        argv = ["--port", str(self.port), "--nats-url", nats_url,
-                "--metrics-port", str(self.metrics_port), *flags]  # fmt: skip
+        # port 0: the store binds any free port and names it in its ready line
+        self.port = self.metrics_port = 0
+        argv = ["--port", "0", "--nats-url", nats_url, "--metrics-port", "0", *flags]
         if redis_url:
             argv += ["--redis-url", redis_url]
         self.proc = subprocess.Popen(
@@ -37,7 +36,10 @@ class KvStoreProcess:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("READY kvstore"):
+            if line.startswith("READY kvstore"):  # READY kvstore HOST:PORT metrics HOST:PORT
+                words = line.split()
+                self.port = int(words[2].rsplit(":", 1)[-1])
+                self.metrics_port = int(words[4].rsplit(":", 1)[-1])
                 self.ready.set()
 
     def wait_ready(self, timeout: float = 30.0) -> KvStoreProcess:

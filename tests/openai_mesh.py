@@ -7,7 +7,6 @@ import httpx
 import openai
 import pytest
 
-from services.common.processes import free_port
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 
@@ -19,7 +18,7 @@ def default_mesh_fixture():
     spec = MeshSpec(
         model=str(ensure_default_model()),
         workers=1,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu", "--max-num-seqs", "128"],
     )
     with Mesh(spec) as mesh:

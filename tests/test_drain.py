@@ -13,7 +13,6 @@ import time
 import httpx
 
 from bench.loadgen.client import RequestInput, send_request
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import gateway_metric, list_workers
 from yinian.supervisor import Supervisor
@@ -72,7 +71,7 @@ def running(mesh: Mesh, worker_id: str) -> int:
 
 def test_rolling_restart_under_load_fails_no_request(model_dir):
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=0, prefill=1, decode=2,
-                    port=free_port(), engine_argv=["--device", "cpu"],
+                    port=0, engine_argv=["--device", "cpu"],
                     scheduler_argv=["--disagg-min-tokens", "1"])  # fmt: skip
     with Mesh(spec) as mesh:
         supervisor, stop = supervised(mesh)
@@ -100,7 +99,7 @@ def test_rolling_restart_under_load_fails_no_request(model_dir):
 
 
 def test_streams_outlasting_the_drain_timeout_move_to_another_worker(model_dir):
-    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=free_port(),
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=0,
                     engine_argv=["--device", "cpu"], drain_timeout=1.0)  # fmt: skip
     with Mesh(spec) as mesh:
 

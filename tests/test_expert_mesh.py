@@ -14,7 +14,6 @@ from test_hf_parity import greedy_texts, random_prompts
 
 from bench.gpu.pd_kill import start_streams, stream_completion
 from proto.yinian.v1 import expert_pb2
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import metric_sum
 
@@ -39,7 +38,7 @@ def mesh(model_dir):
         model=str(model_dir("tiny-moe")),
         workers=1,
         experts=3,
-        port=free_port(),
+        port=0,
         engine_argv=[
             "--device",
             "cpu",

@@ -20,7 +20,6 @@ from proto.yinian.v1 import (
     inference_pb2,
     inference_pb2_grpc,
 )
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import list_workers, worker_metric
 
@@ -34,7 +33,7 @@ def mesh(model_dir, tmp_path_factory):
     spec = MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=2,
-        port=free_port(),
+        port=0,
         gateway_argv=["--api-keys", str(keys)],
         engine_argv=["--device", "cpu"],
     )

@@ -52,7 +52,7 @@ def test_killed_worker_fails_its_streams_and_survivor_serves(model_dir):
     spec = MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=2,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu"],
         gateway_argv=["--max-migrations", "0"],
     )
@@ -111,7 +111,7 @@ def test_saturated_mesh_answers_429_with_retry_after(model_dir):
     spec = MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=1,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu", "--max-num-seqs", "1"],
         scheduler_argv=["--max-waiting", "0"],
     )

@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from bench.otlp_receiver import OtlpReceiver
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 
@@ -24,7 +23,7 @@ def traced_mesh(model_dir):
     spec = MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=2,
-        port=free_port(),
+        port=0,
         env=env,
         engine_argv=["--device", "cpu"],
     )

@@ -16,7 +16,6 @@ from openai_mesh import (
     post,
 )
 
-from services.common.processes import free_port
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 
@@ -127,7 +126,7 @@ def split_mesh():
         workers=0,
         prefill=1,
         decode=1,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu"],
         scheduler_argv=["--disagg-min-tokens", "1"],
     )

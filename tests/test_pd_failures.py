@@ -10,7 +10,6 @@ import httpx
 from test_hf_parity import greedy_texts, random_prompts
 
 from bench.gpu import pd_kill
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import metric_sum
 
@@ -23,7 +22,7 @@ def spec(model_dir, **kw) -> MeshSpec:
         workers=0,
         prefill=1,
         decode=2,
-        port=free_port(),
+        port=0,
         engine_argv=["--device", "cpu"],
         scheduler_argv=["--disagg-min-tokens", "1", "--heartbeat-timeout", "1.5"],
         **kw,

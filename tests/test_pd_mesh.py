@@ -11,7 +11,6 @@ from test_hf_parity import random_prompts
 
 from bench.otlp_receiver import OtlpReceiver
 from engine import LLM, SamplingParams
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import metric_sum
 
@@ -25,7 +24,7 @@ def pd(model_dir):
         workers=0,
         prefill=1,
         decode=2,
-        port=free_port(),
+        port=0,
         env=env,
         engine_argv=["--device", "cpu"],
         scheduler_argv=["--disagg-min-tokens", "1"],

@@ -104,7 +104,7 @@ def test_second_yinian_up_on_a_taken_grpc_port_never_says_ready(model_dir):
     try:
         run = subprocess.run(
             [sys.executable, "-m", "yinian", "up", "--model", str(model_dir("tiny-llama")),
-             "--port", str(free_port()), "--grpc-port", str(grpc_port), "--device", "cpu"],
+             "--port", "0", "--grpc-port", str(grpc_port), "--device", "cpu"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     finally:
@@ -120,7 +120,7 @@ def test_taken_rest_port_stops_yinian_up_before_anything_starts(model_dir):
         begin = time.monotonic()
         run = subprocess.run(
             [sys.executable, "-m", "yinian", "up", "--model", str(model_dir("tiny-llama")),
-             "--port", str(port), "--grpc-port", str(free_port()), "--device", "cpu"],
+             "--port", str(port), "--grpc-port", "0", "--device", "cpu"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert run.returncode == 1 and time.monotonic() - begin < 20
@@ -129,8 +129,8 @@ def test_taken_rest_port_stops_yinian_up_before_anything_starts(model_dir):
 
 def test_ctrl_c_during_start_up_stops_at_once_and_leaves_nothing(model_dir):
     model = str(model_dir("tiny-llama"))
-    up = UpProcess("--model", model, "--workers", "2", "--port", str(free_port()),
-                   "--grpc-port", str(free_port()), "--device", "cpu")  # fmt: skip
+    up = UpProcess("--model", model, "--workers", "2", "--port", "0",
+                   "--grpc-port", "0", "--device", "cpu")  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while "worker-1" not in up.children():  # the workers are loading their engines

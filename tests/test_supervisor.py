@@ -4,6 +4,7 @@ rejoins; only Ctrl-C/SIGTERM, or a service that keeps failing, ends it."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import httpx
 import pytest
 
 from bench.loadgen.client import RequestInput, send_request
-from services.common.processes import free_port
 from yinian.children import launch
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import scrape
@@ -43,6 +43,13 @@ class UpProcess:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def url(self) -> str:
+        """The gateway's REST address, as the banner names it (a `--port 0` mesh)."""
+        found = re.search(r"REST \(OpenAI\):\s+(\S+)/v1", self.output)
+        assert found, f"no REST address in:\n{self.output}"
+        return found.group(1)
 
     def wait_for(self, text: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -82,13 +89,14 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
     # The user's report: under `yinian up --prefill 1 --decode 2`, decode-0 killed with
     # SIGKILL while 16 streams ran; the streams finished, then `yinian up` stopped the
     # whole mesh and the next request got "connection refused".
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    # port 0: the gateway binds any free port and the banner names it (a port picked and
+    # released here could be taken by another process before the gateway binds it)
     up = UpProcess("--model", str(model_dir("tiny-llama")), "--prefill", "1", "--decode", "2",
-                   "--port", str(port), "--grpc-port", str(free_port()), "--no-kvstore",
+                   "--port", "0", "--grpc-port", "0", "--no-kvstore",
                    "--device", "cpu")  # fmt: skip
     try:
         up.wait_for("yinian is ready", timeout=90)
+        url = up.url
         decode_0 = up.children()["decode-0"]
         with ThreadPoolExecutor(16) as pool:
             streams = [pool.submit(stream, url, f"story {i}", 600) for i in range(16)]

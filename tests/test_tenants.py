@@ -16,7 +16,6 @@ from redis_server import RedisServer
 
 from bench.otlp_receiver import OtlpReceiver
 from proto.yinian.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 MODEL = "tiny-llama"
@@ -45,7 +44,7 @@ def tenant_mesh(model_dir, tmp_path_factory):
         model=str(model_dir(MODEL)),
         workers=1,
         gateways=2,
-        port=free_port(),
+        port=0,
         env=env,
         engine_argv=["--device", "cpu"],
         gateway_argv=["--api-keys", str(keys), "--tenant-limits", str(limits),

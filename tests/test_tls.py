@@ -19,7 +19,6 @@ from proto.yinian.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.processes import free_port
 from services.common.tls import sync_channel
 from yinian.local_ca import make_local_ca
 from yinian.mesh import Mesh, MeshSpec
@@ -33,7 +32,7 @@ def get_info(channel: grpc.Channel):
 def test_mesh_with_mutual_tls_refuses_clients_without_a_certificate(tmp_path, model_dir):
     tls = make_local_ca(tmp_path / "tls", ["127.0.0.1"])
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=0, prefill=1, decode=1,
-                    kvstore=True, port=free_port(), engine_argv=["--device", "cpu"],
+                    kvstore=True, port=0, engine_argv=["--device", "cpu"],
                     scheduler_argv=["--disagg-min-tokens", "1"], tls=tls)  # fmt: skip
     with Mesh(spec) as mesh:
         assert mesh.url.startswith("https://")

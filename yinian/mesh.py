@@ -81,7 +81,7 @@ class Mesh:
         self.gateway_ports: list[tuple[int, int]] = []  # (REST, gRPC) of each gateway
         self.kvstore_address = ""
         self.scheduler_address = ""
-        self.grpc_port = spec.grpc_port or free_port()
+        self._grpc_port = spec.grpc_port or 0  # 0: any free port, read back once it is bound
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
             f"yinian-{os.getpid()}-{int(time.time())}"
         )
@@ -92,9 +92,9 @@ class Mesh:
 
     @property
     def urls(self) -> list[str]:
-        """Each gateway's REST address."""
+        """Each gateway's REST address (the ports it bound, once started)."""
         scheme = "https" if self.spec.tls else "http"
-        ports = self.gateway_ports or [(self.spec.port, self.grpc_port)]
+        ports = self.gateway_ports or [(self.spec.port, self._grpc_port)]
         return [f"{scheme}://{self.spec.host}:{rest}" for rest, _ in ports]
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -143,11 +143,11 @@ class Mesh:
         return new
 
     def _start_nats(self) -> Child:
-        port = free_port()
-        self.nats_url = f"nats://127.0.0.1:{port}"
-        command = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        # -p -1: any free port, which its "Listening ... on HOST:PORT" line names
+        command = [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1"]
+        listening = lambda line: "Listening for client" in line  # noqa: E731
         return self._add(launch("nats", command, dict(os.environ), self.log_dir / "nats.log",
-                                says_ready=lambda line: "Server is ready" in line))  # fmt: skip
+                                says_ready=listening))  # fmt: skip
 
     def _start_redis(self) -> Child | None:
         binary = redis_server_binary()
@@ -192,26 +192,26 @@ class Mesh:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.nats_url:
-                wait_ready([self._start_nats()], deadline, cancel)
-            sched_port = free_port()
-            self.scheduler_address = f"{self.spec.host}:{sched_port}"
+                nats = self._start_nats()
+                wait_ready([nats], deadline, cancel)
+                port = _pin(nats, "-p", nats.ready_line.rsplit(":", 1)[-1])
+                self.nats_url = f"nats://127.0.0.1:{port}"
+            # Every service binds any free port and names it in its ready line: no port is
+            # picked here and released for a child to take (another process may take it
+            # first). A restart is pinned to the port its first start bound.
             scheduler = self._spawn(
                 "scheduler",
                 "services.scheduler",
-                [
-                    "--host",
-                    self.spec.host,
-                    "--port",
-                    str(sched_port),
-                    "--nats-url",
-                    self.nats_url,
-                    *self.spec.scheduler_argv,
-                ],
-            )
+                ["--host", self.spec.host, "--port", "0", "--nats-url", self.nats_url,
+                 *self.spec.scheduler_argv],
+            )  # fmt: skip
             started = [scheduler]
             if self.spec.kvstore:
                 started.append(self._start_kvstore(deadline, cancel))
             wait_ready(started, deadline, cancel)
+            self.scheduler_address = _bound_address(scheduler)
+            if self.spec.kvstore:
+                self.kvstore_address = _bound_address(started[-1])
             roles = [
                 ("worker", "colocated", "decode", self.spec.workers),
                 ("prefill", "prefill", "prefill", self.spec.prefill),
@@ -231,6 +231,7 @@ class Mesh:
             workers += [self._spawn_expert(i) for i in range(self.spec.experts)]
             gateways = [self._spawn_gateway(i) for i in range(self.spec.gateways)]
             wait_ready([*workers, *gateways], deadline, cancel)
+            self.gateway_ports = [_bound_gateway(g) for g in gateways]
             for url in self.urls[: self.spec.gateways]:  # none: a mesh of back ends only
                 self._wait_healthy(url, deadline, cancel)
         except BaseException:
@@ -242,11 +243,10 @@ class Mesh:
         """The first gateway's fixed ports must be free (a StartupError naming the port)."""
         if self.spec.gateways:
             check_port_free(self.spec.host, self.spec.port, "REST")
-            check_port_free(self.spec.host, self.grpc_port, "gRPC")
+            check_port_free(self.spec.host, self._grpc_port, "gRPC")
 
     def _spawn_gateway(self, index: int) -> Child:
-        ports = (self.spec.port, self.grpc_port) if index == 0 else (free_port(), free_port())
-        self.gateway_ports.append(ports)
+        ports = (self.spec.port, self._grpc_port) if index == 0 else (0, 0)
         argv = ["--model", self.spec.model, "--host", self.spec.host, "--port", str(ports[0]),
                 "--grpc-port", str(ports[1]), "--scheduler", self.scheduler_address]  # fmt: skip
         name = "gateway" if index == 0 else f"gateway-{index}"
@@ -267,9 +267,7 @@ class Mesh:
                       flush=True)  # fmt: skip
             else:
                 wait_ready([redis], deadline, cancel)
-        port = free_port()
-        self.kvstore_address = f"{self.spec.host}:{port}"
-        argv = ["--host", self.spec.host, "--port", str(port), "--nats-url", self.nats_url]
+        argv = ["--host", self.spec.host, "--port", "0", "--nats-url", self.nats_url]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
         if "--memory-tier-bytes" not in self.spec.kvstore_argv:
@@ -298,6 +296,11 @@ class Mesh:
                 raise TimeoutError(f"gateway not healthy in time; logs in {self.log_dir}")
             time.sleep(0.1)
         raise StartCancelled("stopped while waiting for the gateway to be ready")
+
+    @property
+    def grpc_port(self) -> int:
+        """The first gateway's gRPC port (as bound, once started)."""
+        return self.gateway_ports[0][1] if self.gateway_ports else self._grpc_port
 
     def metrics_endpoints(self) -> dict[str, str]:
         """Each service's Prometheus endpoint: the gateways' /metrics, and what the
@@ -334,3 +337,25 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _pin(child: Child, flag: str, port) -> int:
+    """Writes the port a child bound into its command (after `flag`), so that a
+    restart binds the same one; returns it."""
+    command = child.command
+    command[command.index(flag) + 1] = str(port)
+    return int(port)
+
+
+def _bound_address(child: Child) -> str:
+    """HOST:PORT from a ready line "READY <kind> HOST:PORT ...", pinned for restarts."""
+    address = child.ready_line.split()[2]
+    _pin(child, "--port", address.rsplit(":", 1)[-1])
+    return address
+
+
+def _bound_gateway(child: Child) -> tuple[int, int]:
+    """(REST, gRPC) ports from "READY gateway SCHEME://HOST:PORT grpc HOST:PORT", pinned."""
+    words = child.ready_line.split()
+    rest = _pin(child, "--port", words[2].rsplit(":", 1)[-1])
+    return rest, _pin(child, "--grpc-port", words[4].rsplit(":", 1)[-1])

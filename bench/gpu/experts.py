@@ -29,7 +29,6 @@ from bench.gpu.sections import Sections, script_parser
 from engine.make_model import preset_config, write_model
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.experts.eplb import imbalance, rebalance_experts
-from services.common.processes import free_port
 from services.common.tls import sync_channel
 from yinian.mesh import Mesh, MeshSpec
 
@@ -85,7 +84,7 @@ def live_skew(root, experts: int, services: int, streams: int, tokens: int) -> d
     folder = skewed_model(root, experts)
     redundant = int(experts * 0.125)
     spec = MeshSpec(
-        model=str(folder), workers=1, experts=services, port=free_port(),
+        model=str(folder), workers=1, experts=services, port=0,
         engine_argv=["--device", "cpu", "--router-skew", str(SKEW)],
         scheduler_argv=["--expert-redundant-slots", str(redundant)],
         expert_argv=["--slots", str(-(-(experts + redundant) // services))],
@@ -140,7 +139,7 @@ def throughput(streams: int, tokens: int, experts: int) -> dict:
     out = {}
     for name, count in (("colocated", 0), ("expert_services", experts)):
         spec = MeshSpec(
-            model=str(folder), workers=1, experts=count, port=free_port(),
+            model=str(folder), workers=1, experts=count, port=0,
             engine_argv=["--load-format", "dummy", "--dtype", "bfloat16"],
             expert_argv=["--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
                          "--slots", "128"],

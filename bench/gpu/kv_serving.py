@@ -23,7 +23,6 @@ import time
 from bench.gpu import ceilings
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import worker_metric
 
@@ -56,7 +55,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, bare: bool) -> di
     from bench.loadgen.cli import run as bench_run
 
     argv = engine_argv(device) + (["--host-kv-cache-gb", "0"] if bare else [])
-    spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=not bare,
+    spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=not bare,
                     engine_argv=argv)  # fmt: skip
     mesh = Mesh(spec)
     start = time.monotonic()

@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 from bench.loadgen.cli import run as bench_run
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import worker_metric
 
@@ -99,7 +98,7 @@ def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,
     for name, store in (("off", False), ("on", True)):
         if name not in runs:
             continue
-        spec = MeshSpec(model=str(folder), workers=w.workers, port=free_port(), kvstore=store,
+        spec = MeshSpec(model=str(folder), workers=w.workers, port=0, kvstore=store,
                         engine_argv=engine_argv_of(store),
                         worker_argv=["--kv-write-through", "all"] if store else [])  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)

@@ -32,7 +32,6 @@ from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.loadgen.datasets import load_tokenizer, random_requests
 from bench.otlp_receiver import OtlpReceiver
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 
@@ -76,7 +75,7 @@ def tier_mesh(folder, setup: Setup, device: str, traces: OtlpReceiver | None) ->
     # holds the prompt and its fillers; the services' spans go to `traces`, if given
     env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
                                      "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
-    spec = MeshSpec(model=str(folder), workers=1, port=free_port(), kvstore=True,
+    spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=True,
                     engine_argv=engine_argv(setup, device, store=True),
                     worker_argv=["--kv-write-through", "all", "--kv-write-queue-mb", "16384"],
                     kvstore_argv=["--capacity-bytes", str(32 << 30)], env=env)  # fmt: skip
@@ -88,7 +87,7 @@ def _cross_worker(folder, setup: Setup, device: str, prompt, warm) -> dict:
     argv = ["--device", device, "--dtype", setup.dtype, "--gpu-memory-utilization", "0.45"]
     if setup.preset != "tiny-llama":
         argv += ["--load-format", "dummy"]
-    spec = MeshSpec(model=str(folder), workers=2, port=free_port(), kvstore=True,
+    spec = MeshSpec(model=str(folder), workers=2, port=0, kvstore=True,
                     engine_argv=argv)  # fmt: skip
     mesh = Mesh(spec).start(timeout=1800)
     try:

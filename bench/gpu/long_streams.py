@@ -29,7 +29,6 @@ from bench.gpu import ceilings, pd_mesh
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.loadgen.client import RequestInput, hang_up_after, send_request
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 GPU = {"preset": "llama3-8b", "prompt": 4096, "output": 128}
@@ -41,7 +40,7 @@ def colocated_spec(folder, device: str) -> MeshSpec:
     argv = ["--device", device, "--load-format", "dummy", "--max-num-seqs", "128"]
     if device == "cuda":
         argv += ["--dtype", "bfloat16", "--max-model-len", "8192"]
-    return MeshSpec(model=str(folder), workers=1, port=free_port(), engine_argv=argv)
+    return MeshSpec(model=str(folder), workers=1, port=0, engine_argv=argv)
 
 
 def split_spec(folder, device: str) -> MeshSpec:

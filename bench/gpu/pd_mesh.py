@@ -15,7 +15,6 @@ import grpc
 import torch
 
 from proto.yinian.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.processes import free_port
 from yinian.mesh import MeshSpec
 from yinian.mesh_probe import workers_by_role
 
@@ -47,7 +46,7 @@ def split_spec(
         workers=0,
         prefill=1,
         decode=decode,
-        port=free_port(),
+        port=0,
         engine_argv=engine_argv(device, dtype),
         scheduler_argv=["--disagg-min-tokens", "1", *scheduler_argv],
         worker_argv=["--kv-transports", transports],

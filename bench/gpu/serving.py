@@ -28,7 +28,6 @@ from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.loadgen.datasets import load_tokenizer, random_requests
 from bench.loadgen.engine_bench import run_engine, run_transformers
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 SWEEP_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
@@ -61,7 +60,7 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
     options = w.engine(device)
     argv = ["--device", device, "--dtype", options["dtype"], "--load-format", "dummy",
             "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
-    mesh = Mesh(MeshSpec(model=str(folder), workers=1, port=free_port(), engine_argv=argv))
+    mesh = Mesh(MeshSpec(model=str(folder), workers=1, port=0, engine_argv=argv))
     mesh.start(timeout=600)
     try:
         start = time.monotonic()

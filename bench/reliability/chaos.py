@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from bench.reliability.rounds import Fault, Load, RoundResult, run_round, write_results
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import list_workers
 from yinian.supervisor import Supervisor
@@ -56,7 +55,7 @@ def tiny_model(folder: Path, preset: str = "tiny-llama") -> Path:
 def expert_spec(model: Path, **overrides) -> MeshSpec:
     """One colocated worker, its routed experts on two expert services; 4 redundant
     slots per layer over tiny-moe's 8 experts."""
-    values = dict(model=str(model), workers=1, experts=2, gateways=1, port=free_port(),
+    values = dict(model=str(model), workers=1, experts=2, gateways=1, port=0,
                   engine_argv=["--device", "cpu"],
                   scheduler_argv=["--expert-redundant-slots", "4"])  # fmt: skip
     values.update(overrides)
@@ -65,7 +64,7 @@ def expert_spec(model: Path, **overrides) -> MeshSpec:
 
 def chaos_spec(model: Path, **overrides) -> MeshSpec:
     values = dict(model=str(model), workers=1, prefill=1, decode=2, gateways=2, kvstore=True,
-                  port=free_port(), engine_argv=["--device", "cpu"],
+                  port=0, engine_argv=["--device", "cpu"],
                   scheduler_argv=["--disagg-min-tokens", "1"])  # fmt: skip
     values.update(overrides)
     return MeshSpec(**values)

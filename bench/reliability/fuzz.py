@@ -147,9 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=256, help="the mesh's context length")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fuzz.json"))
     args = parser.parse_args(argv)
-    from services.common.processes import free_port
 
-    spec = MeshSpec(model=str(ensure_default_model()), workers=1, port=free_port(),
+    spec = MeshSpec(model=str(ensure_default_model()), workers=1, port=0,
                     engine_argv=["--device", "cpu", "--max-model-len", str(args.context)],
                     gateway_argv=["--max-model-len", str(args.context)])  # fmt: skip
     with Mesh(spec) as mesh:

@@ -30,7 +30,6 @@ import httpx
 from bench.loadgen.client import RequestInput, hang_up_after, send_request
 from bench.reliability.chaos import tiny_model
 from bench.reliability.rounds import write_results
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 GROWTH_GOAL = 0.05
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         model = tiny_model(Path(tmp) / "tiny-llama")
         spec = MeshSpec(model=str(model), workers=1, prefill=1, decode=1, kvstore=True,
-                        port=free_port(), engine_argv=ENGINE_ARGV,
+                        port=0, engine_argv=ENGINE_ARGV,
                         scheduler_argv=["--disagg-min-tokens", "256"],
                         # A shared tier that fills up during the warm-up and then
                         # evicts: Redis holds what the store allows, no more.

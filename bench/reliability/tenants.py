@@ -27,7 +27,6 @@ import httpx
 
 from bench.reliability.chaos import tiny_model
 from bench.reliability.rounds import write_results
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 
 KEY_A, KEY_B = "sk-bench-tenant-a", "sk-bench-tenant-b"
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
         limits.write_text(json.dumps({"tenant-a": a_limits}))
         spec = MeshSpec(model=str(tiny_model(Path(tmp) / "tiny-llama")), workers=1,
-                        port=free_port(), engine_argv=["--device", "cpu"],
+                        port=0, engine_argv=["--device", "cpu"],
                         gateway_argv=["--api-keys", str(keys), "--tenant-limits", str(limits)],
                         log_dir=Path(tmp) / "logs")  # fmt: skip
         with Mesh(spec) as mesh:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -105,14 +106,26 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
 def start_nats(
     port: int | None = None, jetstream: bool = False, store_dir: str | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """Starts a private nats-server on loopback; returns (process, url)."""
-    port = port or free_port()
-    cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+    """Starts a private nats-server on loopback (on `port`, else any free port, which
+    it names as it starts: no port is picked here for another process to take first);
+    returns (process, url)."""
+    cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port or -1)]
     if jetstream:
         cmd += ["-js"] + (["-sd", store_dir] if store_dir else [])
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
     )
+    deadline = time.monotonic() + 10
+    for line in proc.stdout:
+        if "Listening for client connections on" in line:
+            port = int(line.rsplit(":", 1)[-1])
+            break
+        if time.monotonic() > deadline:
+            break
+    else:
+        raise RuntimeError(f"nats-server exited with {proc.wait()}")
+    # the rest of its output is read and dropped, so a full pipe never blocks it
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
     wait_for_port("127.0.0.1", port, timeout=10)
     return proc, f"nats://127.0.0.1:{port}"
 

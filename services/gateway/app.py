@@ -116,8 +116,9 @@ async def run(config: GatewayConfig) -> None:
             serve_task.result()
         await asyncio.sleep(0.02)
     scheme = "https" if tls else "http"
+    rest_port = rest_socket.getsockname()[1]  # the port bound, also for --port 0
     print(
-        f"READY gateway {scheme}://{config.host}:{config.port} grpc {config.host}:"
+        f"READY gateway {scheme}://{config.host}:{rest_port} grpc {config.host}:"
         f"{grpc_server.port}",
         flush=True,
     )
