@@ -152,15 +152,22 @@ class KVTiers:
         until `import_device_end`: none unless the device holds `hashes[:start]`
         (a prefix continues on the device or not at all); at most as many as leave
         `keep_free` blocks free, stopping at a hash the device holds already."""
+        pool = self.kv.pool
         if self.peek_device_prefix(hashes[:start]) < start:
             return []
         want = 0
         for h in hashes[start:]:
-            if self.kv.pool.lookup(h) is not None:
+            if pool.lookup(h) is not None:
                 break
             want += 1
-        count = max(0, min(want, self.kv.pool.num_free_blocks - keep_free))
-        return [b.block_id for b in self.kv.pool.allocate(count)] if count else []
+        # the prefix the blocks continue is held meanwhile: taking blocks never evicts it
+        prefix = [pool.lookup(h) for h in hashes[:start]]
+        pool.touch(prefix)
+        try:
+            count = max(0, min(want, pool.num_free_blocks - keep_free))
+            return [b.block_id for b in pool.allocate(count)] if count else []
+        finally:
+            pool.free(prefix[::-1])
 
     def copy_into_blocks(self, rows: list, block_ids: list[int]):
         """Copies rows ([layers, *block] tensors in host memory) into the held device

@@ -6,6 +6,7 @@ blocks and never reuses a slot a copy is using."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from basis.block_hash import hash_prompt_blocks
 from engine import LLM, SamplingParams
@@ -109,6 +110,37 @@ def test_blocks_move_between_engines_through_export_and_import(model_dir):
     out = b.generate([prompt], GREEDY)[0]
     assert out.outputs[0].token_ids == want
     assert out.num_cached_tokens == 96
+
+
+def test_lent_blocks_go_straight_into_device_blocks_and_keep_their_prefix(model_dir):
+    """What a lend does: blocks from memory outside the engine are copied into device
+    blocks held for them and become device hits behind the prefix the device holds;
+    holding them never evicts that prefix, even at the front of the LRU queue."""
+    folder = model_dir("tiny-llama")
+    prompt = prompts(1, 100, seed=5)[0]
+    a = LLM(folder, device="cpu", dtype="float32", host_kv_cache_gb=0.05)
+    want = a.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    a.engine.housekeeping()
+    hashes = hash_prompt_blocks(prompt, 16)
+    facts = a.engine.facts
+    rows = [torch.frombuffer(bytearray(d), dtype=facts.kv_dtype).view(
+        facts.num_layers, *facts.kv_block_shape) for d in a.engine.tiers.export_blocks(hashes)]
+    # b holds the first two blocks, least recently used, and has room for few more
+    b = LLM(folder, device="cpu", dtype="float32", host_kv_cache_gb=0, num_gpu_blocks=20)
+    b.generate([prompt[:33]], GREEDY)
+    for filler in prompts(5, 40, seed=6):  # every other block used since: the prefix is oldest
+        b.generate([filler], GREEDY)
+    engine = b.engine
+    ids = engine.import_device_begin(hashes, 2)
+    assert len(ids) == 4 and engine.tiers.peek_device_prefix(hashes) == 2  # prefix kept
+    engine.tiers.copy_into_blocks(rows[2:], ids)()
+    engine.import_device_end(ids, hashes[2:], 3)  # the last one "failed its check"
+    assert engine.tiers.peek_device_prefix(hashes) == 5
+    out = b.generate([prompt], GREEDY)[0]
+    assert out.outputs[0].token_ids == want
+    assert out.num_cached_tokens == 80
+    assert engine.import_device_begin(hashes, 1) == []  # nothing left to hold
+    assert engine.import_device_begin([999, *hashes[1:]], 1) == []  # a prefix it lacks
 
 
 def test_kv_events_report_the_host_tier(model_dir):

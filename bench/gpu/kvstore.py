@@ -77,7 +77,7 @@ def tier_mesh(folder, setup: Setup, device: str, traces: OtlpReceiver | None) ->
                                      "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
     spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=True,
                     engine_argv=engine_argv(setup, device, store=True),
-                    worker_argv=["--kv-write-through", "all", "--kv-write-queue-mb", "16384"],
+                    worker_argv=["--kv-write-through", "all", "--kv-write-queue-bytes", "16GiB"],
                     kvstore_argv=["--capacity-bytes", str(32 << 30)], env=env)  # fmt: skip
     return Mesh(spec).start(timeout=1800)
 

@@ -42,11 +42,11 @@ class WorkerSettings(TlsSettings):
         "block of the prompt); all (also the generated tokens' blocks)",
         choices=WRITE_THROUGH,
     )
-    kv_write_queue_mb: int = setting(
-        2048,
-        "KV bytes (MiB) waiting to be written to the shared tier at most (an 8k-token "
-        "llama3-8b prompt is 1 GiB); the blocks of a write beyond it (its tail) are dropped "
-        "and counted (yinian:kv_shared_dropped_blocks), never waited for",
+    kv_write_queue_bytes: int = setting(
+        2 << 30,
+        "KV bytes waiting to be written to the shared tier at most (an 8k-token llama3-8b "
+        "prompt is 1 GiB); the blocks of a write beyond it (its tail) are dropped and counted "
+        "(yinian:kv_shared_dropped_blocks), never waited for",
     )
     drain_timeout: float = setting(
         30.0,
@@ -75,8 +75,8 @@ class WorkerSettings(TlsSettings):
                 raise ValueError(f"unknown KV transport {name!r}; known: {KV_TRANSPORTS}")
         if self.kv_write_through not in WRITE_THROUGH:
             raise ValueError(f"kv_write_through must be one of {WRITE_THROUGH}")
-        if self.kv_write_queue_mb < 0:
-            raise ValueError("kv_write_queue_mb must be >= 0")
+        if self.kv_write_queue_bytes < 0:
+            raise ValueError("kv_write_queue_bytes must be >= 0")
         if self.load_interval <= 0:
             raise ValueError("load_interval must be > 0")
         if self.drain_timeout < 0:

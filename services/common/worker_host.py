@@ -108,7 +108,7 @@ class WorkerHost:
             )  # fmt: skip
             self.shared = SharedKv(
                 self.engine, client, config.worker_id, config.kv_write_through,
-                max_pending_bytes=config.kv_write_queue_mb << 20, index=KvIndex(),
+                max_pending_bytes=config.kv_write_queue_bytes, index=KvIndex(),
             )  # fmt: skip
             self.on_close(client.close)
             self.on_close(self.shared.drain)
