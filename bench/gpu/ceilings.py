@@ -77,6 +77,16 @@ def measure(device: str = "cuda") -> dict:
     }
 
 
+def measure_with_host(device: str = "cuda") -> dict:
+    """`measure`, and on CUDA the pinned host-to-device and device-to-host rates (the
+    ceilings of work that moves KV between host memory and the GPU)."""
+    out = measure(device)
+    if device == "cuda":
+        out["pinned_h2d_gbps"] = pinned_copy_bandwidth(to_device=True)
+        out["pinned_d2h_gbps"] = pinned_copy_bandwidth(to_device=False)
+    return out
+
+
 def _nccl_rank(rank: int, port: int, result) -> None:
     import torch.distributed as dist
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             "host_kv_cache_gb": setup.host_gb,
             "load_format": "auto" if setup.preset == "tiny-llama" else "dummy",
         }
-        section("ceilings", lambda: _ceilings(device))
+        section("ceilings", lambda: ceilings.measure_with_host(device))
         tok = load_tokenizer(folder)
         # enough fillers of the prompt's length to push it out of the device pool
         count = 2 + setup.device_blocks * 16 // setup.prefix_len + 1
@@ -150,14 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
         print_table(section.results)
         return section.results
-
-
-def _ceilings(device: str) -> dict:
-    out = ceilings.measure(device)
-    if device == "cuda":
-        out["pinned_h2d_gbps"] = ceilings.pinned_copy_bandwidth(to_device=True)
-        out["pinned_d2h_gbps"] = ceilings.pinned_copy_bandwidth(to_device=False)
-    return out
 
 
 def print_table(results: dict) -> None:

@@ -111,18 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
     setup = GPU if args.device == "cuda" else DRY
     with Sections(args, script="lend_copy") as section:
         device = section.device
-        section("ceilings", lambda: _ceilings(device))
+        section("ceilings", lambda: ceilings.measure_with_host(device))
         section("host_tier", lambda: host_tier(setup, device))
         section("store_region", lambda: store_region(setup, device))
         print_table(section.results)
         return section.results
-
-
-def _ceilings(device: str) -> dict:
-    out = ceilings.measure(device)
-    if device == "cuda":
-        out["pinned_h2d_gbps"] = ceilings.pinned_copy_bandwidth(to_device=True)
-    return out
 
 
 def print_table(results: dict) -> None:
