@@ -81,8 +81,13 @@ class StoreMemory:
         return self._chunks[index][start : start + length]
 
     def close(self) -> None:
+        """Unpins (through ctypes, the GIL let go) and unmaps: call it in a thread."""
+        runtime = _cuda_runtime() if self._registered else None
         for pointer in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(pointer)
+            if runtime is not None:
+                runtime.cudaHostUnregister(ctypes.c_void_p(pointer))
+            else:
+                torch.cuda.cudart().cudaHostUnregister(pointer)
         self._registered = []
         self._chunks = []
         try:

@@ -1,11 +1,11 @@
 """Blocks a KV store on this host lends: its memory tier is a file in shared
 memory that this worker maps (and, on CUDA, pins: engine/store_memory.py) once,
-in the background; for a prompt, the
-store says where the leading blocks it holds lie (Lend) and keeps them in
-place for a few seconds, and this worker copies them from there straight
-into device blocks the engine holds for them, checking every checksum while
-the copy runs. No byte passes through the store, the host tier or the
-engine's thread; the engine's next step finds them like any device hit."""
+in the background. For a prompt, the store says where the leading blocks it
+holds lie (Lend) and keeps them in place for a few seconds, and this worker
+copies them from there straight into device blocks the engine holds for them,
+checking every checksum while the copy runs. No byte passes through the store,
+the host tier or the engine's thread; the engine's next step finds them like
+any device hit."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ class LentBlocks:
         come through the host tier (`yinian:kv_store_memory_mapped` says when)."""
         region, _, _ = await self.link.client.lend("", self.link.block_bytes, [])
         if region is not None:
+            self._map_later(region)
+
+    def _map_later(self, region: tuple[str, int]) -> None:
+        """Maps `region` in the background, unless a mapping is under way already."""
+        if self._mapping is None or self._mapping.done():
             self._mapping = asyncio.get_running_loop().create_task(self.map(region))
 
     async def map(self, region: tuple[str, int]) -> None:
@@ -59,7 +64,7 @@ class LentBlocks:
         while old is not None and self._copying:  # the old one is unmapped once unread
             await asyncio.sleep(0.01)
         if old is not None:
-            old.close()
+            await asyncio.to_thread(old.close)  # unpinning GiB takes a while too
         logger.info("mapped the KV store's memory tier %s (%.1f GiB, pinned: %s)",
                     region[0], region[1] / (1 << 30), mapped.pinned)  # fmt: skip
 
@@ -76,7 +81,7 @@ class LentBlocks:
         if region is None or not blocks:
             return 0
         if (str(self.memory.path), self.memory.size) != region:  # the store started again
-            asyncio.get_running_loop().create_task(self.map(region))
+            self._map_later(region)
             return 0
         deadline = times[0] + seconds
         times.append(time.monotonic())
