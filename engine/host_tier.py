@@ -121,7 +121,7 @@ class HostTier:
         if not pairs:
             return 0
         slots = [s for _, s in pairs]
-        staging = self._gather(torch.tensor([b for b, _ in pairs], device=self.device))
+        staging = self._gather(ids_on(self.device, [b for b, _ in pairs]))
         event = None
         if self.side is None:
             self._copy_rows(staging, slots)
@@ -164,7 +164,7 @@ class HostTier:
     def _to_host(self, pairs: list[tuple[KVBlock, int]]) -> None:
         for start in range(0, len(pairs), self.chunk):
             part = pairs[start : start + self.chunk]
-            ids = torch.tensor([b.block_id for b, _ in part], device=self.device)
+            ids = ids_on(self.device, [b.block_id for b, _ in part])
             self._copy_rows(self._gather(ids), [slot for _, slot in part])
 
     # -- host -> device ----------------------------------------------------------
@@ -269,11 +269,17 @@ def copy_rows_to_blocks(
                     (count, *source.shape), (source.numel(), *source.stride())
                 )
             staging[start : start + count].copy_(source, non_blocking=True)
-        ids = torch.tensor(block_ids[first : first + chunk])
-        if first_cache.device.type == "cuda":  # pinned, so the copy does not wait for the rows
-            ids = ids.pin_memory().to(first_cache.device, non_blocking=True)
+        ids = ids_on(first_cache.device, block_ids[first : first + chunk])
         for layer, cache in enumerate(kv_caches):
             cache.index_copy_(0, ids, staging[:, layer])
+
+
+def ids_on(device: torch.device, ids: list[int]) -> torch.Tensor:
+    """Block ids as a tensor on `device`. On CUDA through pinned memory, asynchronously:
+    a plain copy (torch.tensor(..., device=...)) waits for every kernel queued on the
+    stream, which stalled the engine's steps wherever blocks went to the host."""
+    out = torch.tensor(ids, dtype=torch.long)
+    return out.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else out
 
 
 def _runs(rows: list[torch.Tensor]) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from basis.block_hash import block_namespace, hash_block_tokens, hash_prompt_blocks
+from basis.block_hash import block_namespace, cached_prompt_blocks, hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
 from engine.sequence import Sequence
 
@@ -77,7 +77,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq.seq_id, [])
         tokens, size = seq.all_token_ids, self.block_size
         if not hashes:  # a prompt's blocks in one pass
-            hashes += hash_prompt_blocks(tokens, size, seq.namespace, seq.public_tokens)
+            hashes += cached_prompt_blocks(tokens, size, seq.namespace, seq.public_tokens)
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None

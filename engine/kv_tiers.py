@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from basis.block_hash import hash_prompt_blocks
+from basis.block_hash import cached_prompt_blocks
 from basis.host_regions import available_host_gb
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
@@ -118,7 +118,7 @@ class KVTiers:
     ) -> int:
         """How many leading full blocks of a prompt the device or host tier holds."""
         count = 0
-        for h in hash_prompt_blocks(prompt_ids, self.kv.block_size, namespace, public_tokens):
+        for h in cached_prompt_blocks(prompt_ids, self.kv.block_size, namespace, public_tokens):
             on_device = self.kv.pool.lookup(h) is not None
             if not on_device and (self.host is None or self.host.pool.lookup(h) is None):
                 break

@@ -3,7 +3,7 @@ worker serves the next turn of a conversation from the shared tier (Redis, and
 the store's memory tier in front of it, as `yinian up` starts it); damaged
 blocks are caught and recomputed; a new worker on the store's host copies
 the blocks the store lends straight to its device, and a damaged lent block is
-caught there too; Redis going away costs hits, never
+caught there too when the worker reads lent checksums; Redis going away costs hits, never
 requests; a lost KV event is repaired by a resync; tenants never read each
 other's blocks. Every answer equals the engine's without any cache."""
 
@@ -178,6 +178,8 @@ def test_a_damaged_lent_block_is_caught_and_recomputed(memory_mesh, reference, m
         byte = region.read(1)[0]
         region.seek(lent.offsets[0] + 100)
         region.write(bytes([byte ^ 0x10]))
+    worker = memory_mesh.child("worker-0")  # lent blocks' checksums are read when asked
+    worker.command = [*worker.command, "--kv-verify-lent-blocks"]
     fresh_worker(memory_mesh)
     answer = complete(memory_mesh, prompt)
     assert answer["choices"][0]["text"] == want

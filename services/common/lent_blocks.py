@@ -2,10 +2,16 @@
 memory that this worker maps (and, on CUDA, pins: engine/store_memory.py) once,
 in the background. For a prompt, the store says where the leading blocks it
 holds lie (Lend) and keeps them in place for a few seconds, and this worker
-copies them from there straight into device blocks the engine holds for them,
-checking every checksum while the copy runs. No byte passes through the store,
+copies them from there straight into device blocks the engine holds for them.
+No byte passes through the store,
 the host tier or the engine's thread; the engine's next step finds them like
-any device hit."""
+any device hit.
+
+A lent block's checksum is not read by default: its bytes never left this host's
+memory (the store checked them when they came in, like the host tier's own), and
+the lend keeps them in place while they are copied (a copy that ends too close to
+the lend's end is not used). With `verify_pool` (--kv-verify-lent-blocks) every
+checksum is checked while the copy runs."""
 
 from __future__ import annotations
 
@@ -23,9 +29,9 @@ _LEND_MARGIN = 1.0  # seconds: a lent block copied later than its lend minus thi
 
 
 class LentBlocks:
-    def __init__(self, link: SharedKvLink, verify_pool):
+    def __init__(self, link: SharedKvLink, verify_pool=None):
         self.link = link
-        self.verify_pool = verify_pool
+        self.verify_pool = verify_pool  # None: checksums are not read
         # the store's memory tier mapped here; None: not (yet) mapped, or another host
         self.memory: StoreMemory | None = None
         self._copying = 0  # copies out of `memory` in flight
@@ -116,8 +122,8 @@ class LentBlocks:
 
     def _copy(self, blocks, ids: list[int], hashes: list[int], local: int, deadline: float):
         """Copies lent blocks into device blocks `ids` and checks them (in a thread):
-        how many leading ones hold what their checksum says and fit the prompt, and
-        the ms spent issuing the copies, verifying, and waiting for them."""
+        how many leading ones fit the prompt (and hold what their checksum says, if
+        verified), and the ms spent issuing the copies, verifying, and waiting."""
         if not ids:
             return 0, (0.0, 0.0, 0.0)
         facts, memory, size = self.link.engine.facts, self.memory, self.link.block_bytes
@@ -130,12 +136,13 @@ class LentBlocks:
             return 0, (0.0, 0.0, 0.0)
         times = [time.monotonic()]
         # checked while the copies are issued and run: both read the same lent memory
-        checks = [self.verify_pool.submit(block_checksum, r.numpy()) for r in raw]
+        pool = self.verify_pool
+        checks = [pool.submit(block_checksum, r.numpy()) for r in raw] if pool else []
         rows = [r.view(facts.kv_dtype).view(facts.num_layers, *facts.kv_block_shape) for r in raw]
         wait = self.link.engine.copy_into_blocks(rows, ids)
         times.append(time.monotonic())
         try:
-            sums = [c.result() for c in checks]
+            sums = [c.result() for c in checks] or [checksum for _, _, checksum in blocks]
             times.append(time.monotonic())
         finally:
             wait()

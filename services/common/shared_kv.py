@@ -40,6 +40,7 @@ class SharedKv:
         policy: str = "selective",
         max_pending_bytes: int = 2048 << 20,
         index: KvIndex | None = None,
+        verify_lent: bool = False,
     ):
         if policy not in WRITE_THROUGH:
             raise ValueError(f"write-through policy must be one of {WRITE_THROUGH}, got {policy!r}")
@@ -47,7 +48,7 @@ class SharedKv:
         # What the shared tier holds, from its events on NATS (the worker feeds it): a
         # prompt whose first block is not there costs no call to the store at all.
         self.index = index
-        self.reads = SharedKvReads(self.link, index)
+        self.reads = SharedKvReads(self.link, index, verify_lent)
         self.writes = SharedKvWrites(self.link, policy, max_pending_bytes)
 
     @property

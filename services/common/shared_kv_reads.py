@@ -3,7 +3,8 @@ the leading blocks it lacks locally that the shared tier holds are made local:
 those the store lends straight into device blocks (lent_blocks.py), the rest
 (only in Redis, or a store elsewhere) into host-tier slots that the store fills
 itself on this host (GetInto) or that this worker fills with bytes it got.
-Every block is checked (checksum, chain, size) before anything may read it."""
+Every block is checked (chain, size, and the checksum of each that came by value
+or through the host tier) before anything may read it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from basis.block_hash import hash_prompt_blocks
+from basis.block_hash import cached_prompt_blocks
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
 from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
@@ -28,10 +29,10 @@ VERIFY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix
 
 
 class SharedKvReads:
-    def __init__(self, link: SharedKvLink, index: KvIndex | None):
+    def __init__(self, link: SharedKvLink, index: KvIndex | None, verify_lent: bool = False):
         self.link = link
         self.index = index
-        self.lent = LentBlocks(link, VERIFY_POOL)
+        self.lent = LentBlocks(link, VERIFY_POOL if verify_lent else None)
 
     async def introduce(self) -> None:
         """Names this worker's host tier to the store ahead of any block, so that it
@@ -55,7 +56,8 @@ class SharedKvReads:
 
     async def _prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int) -> int:
         limit = (len(prompt_ids) - 1) // self.link.block_size  # one token is always computed
-        hashes = hash_prompt_blocks(prompt_ids, self.link.block_size, tenant, public_tokens)[:limit]
+        size = self.link.block_size
+        hashes = cached_prompt_blocks(prompt_ids, size, tenant, public_tokens)[:limit]
         if not hashes or not (self.link.engine.facts.has_host_tier or self.lent.mapped):
             return 0
         start = time.monotonic()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from basis.block_hash import PUBLIC_NAMESPACE, hash_prompt_blocks
+from basis.block_hash import PUBLIC_NAMESPACE, cached_prompt_blocks
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
 from services.common.shared_kv_link import SharedKvLink
@@ -44,11 +44,11 @@ class SharedKvWrites:
         if self.policy == "none":
             return
         if self.policy == "selective":
-            hashes = hash_prompt_blocks(prompt_ids, self.link.block_size, tenant, public_tokens)
+            hashes = cached_prompt_blocks(prompt_ids, self.link.block_size, tenant, public_tokens)
             hashes = hashes[: cached_tokens // self.link.block_size]
         else:
             tokens = prompt_ids if self.policy == "prefix" else prompt_ids + output_ids
-            hashes = hash_prompt_blocks(tokens, self.link.block_size, tenant, public_tokens)
+            hashes = cached_prompt_blocks(tokens, self.link.block_size, tenant, public_tokens)
         todo = [
             (i, h)
             for i, h in enumerate(hashes)

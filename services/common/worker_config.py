@@ -48,6 +48,13 @@ class WorkerSettings(TlsSettings):
         "prompt is 1 GiB); the blocks of a write beyond it (its tail) are dropped and counted "
         "(yinian:kv_shared_dropped_blocks), never waited for",
     )
+    kv_verify_lent_blocks: bool = setting(
+        False,
+        "check the checksum of every block the KV store on this host lends (read from its "
+        "shared memory, guarded by the lend) while copying it to the device: ~15 ms more per "
+        "GiB on an H200 host; blocks that come by value or through the host tier are always "
+        "checked",
+    )
     drain_timeout: float = setting(
         30.0,
         "on SIGTERM, seconds the worker, already out of placement, lets its streams finish "

@@ -6,6 +6,7 @@ layout change is the failure this prevents)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -40,13 +41,24 @@ class Fingerprint:
 
     def canonical(self) -> bytes:
         """The bytes stored in every block's header and compared on every read."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return _canonical(self)
 
     @property
     def id(self) -> str:
-        """16 hex digits naming the fingerprint in Redis keys."""
-        return hashlib.blake2b(self.canonical(), digest_size=8).hexdigest()
+        """16 hex digits naming the fingerprint in Redis keys (made once per
+        fingerprint: every block of every call names it)."""
+        return _id(self)
 
     @classmethod
     def from_canonical(cls, data: bytes) -> Fingerprint:
         return cls(**json.loads(data))
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical(fingerprint: Fingerprint) -> bytes:
+    return json.dumps(asdict(fingerprint), sort_keys=True, separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def _id(fingerprint: Fingerprint) -> str:
+    return hashlib.blake2b(_canonical(fingerprint), digest_size=8).hexdigest()

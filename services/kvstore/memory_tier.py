@@ -103,15 +103,16 @@ class MemoryTier:
     def present(self, tenant: str, fingerprint: Fingerprint, hashes) -> list[str | None]:
         owners = readable(self.settings, tenant)
         out: list[str | None] = []
+        fid, entries = fingerprint.id, self._entries
         for h in hashes:
-            out.append(next((o for o in owners if (o, fingerprint.id, h) in self._entries), None))
+            out.append(next((o for o in owners if (o, fid, h) in entries), None))
         return out
 
     def lease(self, fingerprint: Fingerprint, hashes, owners) -> None:
         """Keeps the blocks from eviction for a lease (and marks them recently used)."""
-        now, s = time.monotonic(), self.settings
+        now, s, fid = time.monotonic(), self.settings, fingerprint.id
         for h, owner in zip(hashes, owners):
-            key = (owner, fingerprint.id, h)
+            key = (owner, fid, h)
             entry = self._entries.get(key) if owner is not None else None
             if entry is None:
                 continue
@@ -263,11 +264,11 @@ class MemoryTier:
     # -- reads -----------------------------------------------------------------
     def leading(self, tenant: str, fingerprint: Fingerprint, hashes) -> list[tuple[Key, Entry]]:
         """The entries of the leading blocks this tier holds."""
-        out = []
+        out, fid = [], fingerprint.id
         for owner in self.present(tenant, fingerprint, hashes):
             if owner is None:
                 break
-            key = (owner, fingerprint.id, hashes[len(out)])
+            key = (owner, fid, hashes[len(out)])
             out.append((key, self._entries[key]))
         return out
 
