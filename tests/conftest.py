@@ -10,6 +10,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# as services/__init__.py says: gRPC's fork handlers crash children started while its
+# threads run (this process starts many)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 # Triton kernels run on the CPU through Triton's interpreter, which must be
 # chosen before any kernel module is imported.
 if not torch.cuda.is_available():

@@ -11,7 +11,10 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-Sections: ceilings, default, bare (then the ratios, printed and stored).
+           [--meshes default,bare[,no_writes]]
+Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
+mesh, printed and stored). `no_writes`: the default mesh with `--kv-write-through
+none`, to tell what the shared tier's writes cost from what the tiers' presence does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from yinian.mesh_probe import worker_metric
 ROW_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")
+# why a worker dropped a block it meant to write (its write queue was full, the block was
+# no longer on the device or in the host tier, the store refused it)
+DROP_REASONS = ("queue_full", "not_local", "store")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +57,22 @@ def engine_argv(device: str) -> list[str]:
             "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
 
 
-def sweep(load: Load, folder, device: str, out_dir, name: str, bare: bool) -> dict:
+# name -> (KV store on, the engine's extra flags, the worker's extra flags)
+MESHES = {
+    "default": (True, [], []),
+    "bare": (False, ["--host-kv-cache-gb", "0"], []),
+    # the default mesh writing nothing to the shared tier: what the writes cost, apart
+    "no_writes": (True, [], ["--kv-write-through", "none"]),
+}
+
+
+def sweep(load: Load, folder, device: str, out_dir, name: str) -> dict:
     from bench.loadgen.cli import run as bench_run
 
-    argv = engine_argv(device) + (["--host-kv-cache-gb", "0"] if bare else [])
-    spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=not bare,
-                    engine_argv=argv)  # fmt: skip
+    kvstore, engine_extra, worker_extra = MESHES[name]
+    spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=kvstore,
+                    engine_argv=engine_argv(device) + engine_extra,
+                    worker_argv=worker_extra)  # fmt: skip
     mesh = Mesh(spec)
     start = time.monotonic()
     mesh.start(timeout=900)
@@ -94,6 +110,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, bare: bool) -> di
         "shared_written_bytes": written,
         "shared_written_bytes_per_s": written / seconds if seconds else 0.0,
         "shared_dropped_blocks": after["dropped"] - before["dropped"],
+        "shared_dropped_by_reason": {r: after[r] - before[r] for r in DROP_REASONS},
         "host_bytes_to_host": after["to_host"],
         "put_failures_in_logs": _log_lines(mesh, "put failed"),
     }
@@ -103,11 +120,12 @@ def _written(mesh: Mesh) -> dict:
     def total(name: str, where: str = "") -> float:
         return sum(worker_metric(mesh, name, where=where).values())
 
+    dropped = "yinian:kv_shared_dropped_blocks_total"
     return {
         "bytes": total("yinian:kv_shared_bytes_total", 'direction="out"'),
-        "dropped": total("yinian:kv_shared_dropped_blocks_total"),
+        "dropped": total(dropped),
         "to_host": total("yinian:host_kv_bytes", 'direction="to_host"'),
-    }
+    } | {reason: total(dropped, f'reason="{reason}"') for reason in DROP_REASONS}
 
 
 def _log_lines(mesh: Mesh, needle: str) -> int:
@@ -132,7 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--rates")
     parser.add_argument("--prompts-per-rate", type=int)
+    parser.add_argument(
+        "--meshes",
+        default="default,bare",
+        help=f"which meshes to sweep, in order (of {', '.join(MESHES)})",
+    )
     args = parser.parse_args(argv)
+    meshes = args.meshes.split(",")
+    unknown = [m for m in meshes if m not in MESHES]
+    if unknown:
+        parser.error(f"--meshes: unknown {', '.join(unknown)}; known: {', '.join(MESHES)}")
     load = GPU if args.device == "cuda" else DRY
     load = dataclasses.replace(
         load,
@@ -144,10 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         section("ceilings", lambda: ceilings.measure(device))
         folder, _ = preset_folder(section.tmp, load.preset)
-        default = section("default", lambda: sweep(load, folder, device, out_dir, "default", False))
-        bare = section("bare", lambda: sweep(load, folder, device, out_dir, "bare", True))
-        if "rows" in (default or {}) and "rows" in (bare or {}):
-            section.results["ratio_default_to_bare"] = ratios(default, bare)
+        runs = {}
+        for name in meshes:
+            runs[name] = section(name, lambda name=name: sweep(load, folder, device, out_dir, name))
+        bare = runs.get("bare") or {}
+        for name, run in runs.items():
+            if name != "bare" and "rows" in (run or {}) and "rows" in bare:
+                key = "ratio_default_to_bare" if name == "default" else f"ratio_{name}_to_bare"
+                section.results[key] = ratios(run, bare)
         print_table(section.results)
         return section.results
 
@@ -155,21 +186,24 @@ def main(argv: list[str] | None = None) -> dict:
 def print_table(results: dict) -> None:
     print("| mesh | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | TPOT p99 |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in ("default", "bare"):
+    for name in MESHES:
         for r in (results.get(name) or {}).get("rows", []):
             print(f"| {name} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
                   f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
                   f"{r['p99_ttft_ms']:.1f} | {r['p99_tpot_ms']:.2f} |")  # fmt: skip
-    for name in ("default", "bare"):
+    for name in MESHES:
         r = results.get(name) or {}
         if "rows" in r:
             print(f"{name}: shared tier written {r['shared_written_bytes_per_s'] / 1e6:.1f} MB/s, "
-                  f"dropped {r['shared_dropped_blocks']:.0f} blocks, to host "
+                  f"dropped {r['shared_dropped_blocks']:.0f} blocks "
+                  f"{json.dumps(r.get('shared_dropped_by_reason', {}))}, to host "
                   f"{r['host_bytes_to_host'] / 1e6:.0f} MB, 'put failed' lines "
                   f"{r['put_failures_in_logs']}, start {r['start_seconds']:.0f} s")  # fmt: skip
-    for row in results.get("ratio_default_to_bare", []):
-        cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
-        print(f"rate {row['request_rate']}: default / bare: {cells}")
+    for name in MESHES:
+        key = "ratio_default_to_bare" if name == "default" else f"ratio_{name}_to_bare"
+        for row in results.get(key, []):
+            cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
+            print(f"rate {row['request_rate']}: {name} / bare: {cells}")
 
 
 if __name__ == "__main__":
