@@ -10,9 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# as services/__init__.py says: gRPC's fork handlers crash children started while its
-# threads run (this process starts many)
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+import basis.grpc_fork  # noqa: E402, F401  (this process starts many children)
 
 # Triton kernels run on the CPU through Triton's interpreter, which must be
 # chosen before any kernel module is imported.

@@ -135,6 +135,11 @@ def _log_lines(mesh: Mesh, needle: str) -> int:
     return count
 
 
+def ratio_key(name: str) -> str:
+    """Where a mesh's ratios to the bare mesh are stored in the results."""
+    return f"ratio_{name}_to_bare"
+
+
 def ratios(default: dict, bare: dict) -> list[dict]:
     out = []
     for ours, theirs in zip(default["rows"], bare["rows"]):
@@ -177,8 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         bare = runs.get("bare") or {}
         for name, run in runs.items():
             if name != "bare" and "rows" in (run or {}) and "rows" in bare:
-                key = "ratio_default_to_bare" if name == "default" else f"ratio_{name}_to_bare"
-                section.results[key] = ratios(run, bare)
+                section.results[ratio_key(name)] = ratios(run, bare)
         print_table(section.results)
         return section.results
 
@@ -200,8 +204,7 @@ def print_table(results: dict) -> None:
                   f"{r['host_bytes_to_host'] / 1e6:.0f} MB, 'put failed' lines "
                   f"{r['put_failures_in_logs']}, start {r['start_seconds']:.0f} s")  # fmt: skip
     for name in MESHES:
-        key = "ratio_default_to_bare" if name == "default" else f"ratio_{name}_to_bare"
-        for row in results.get(key, []):
+        for row in results.get(ratio_key(name), []):
             cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
             print(f"rate {row['request_rate']}: {name} / bare: {cells}")
 

@@ -3,9 +3,8 @@ memory that this worker maps (and, on CUDA, pins: engine/store_memory.py) once,
 in the background. For a prompt, the store says where the leading blocks it
 holds lie (Lend) and keeps them in place for a few seconds, and this worker
 copies them from there straight into device blocks the engine holds for them.
-No byte passes through the store,
-the host tier or the engine's thread; the engine's next step finds them like
-any device hit.
+No byte passes through the store, the host tier or the engine's thread; the
+engine's next step finds them like any device hit.
 
 A lent block's checksum is not read by default: its bytes never left this host's
 memory (the store checked them when they came in, like the host tier's own), and
@@ -142,7 +141,7 @@ class LentBlocks:
         wait = self.link.engine.copy_into_blocks(rows, ids)
         times.append(time.monotonic())
         try:
-            sums = [c.result() for c in checks] or [checksum for _, _, checksum in blocks]
+            sums = [c.result() for c in checks] if pool else None
             times.append(time.monotonic())
         finally:
             wait()
@@ -153,7 +152,8 @@ class LentBlocks:
             return 0, phases
         for n, (_, parent, checksum) in enumerate(blocks):
             i = local + n
-            if parent != (hashes[i - 1] if i > 0 else 0) or sums[n] != checksum:
+            damaged = sums is not None and sums[n] != checksum
+            if parent != (hashes[i - 1] if i > 0 else 0) or damaged:
                 self.link.rejected(hashes[i])
                 return n, phases
         return len(blocks), phases
