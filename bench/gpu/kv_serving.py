@@ -11,10 +11,14 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-           [--meshes default,bare[,no_writes]]
+           [--meshes default,bare[,no_writes]] [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). `no_writes`: the default mesh with `--kv-write-through
 none`, to tell what the shared tier's writes cost from what the tiers' presence does.
+`--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store over
+each sweep (which slows
+them a little: figures from a profiled run are not compared with others); the
+frames' ranking goes into the mesh's result as `profile`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 
 from bench.gpu import ceilings
 from bench.gpu.models import preset_folder
+from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import worker_metric
@@ -66,7 +71,7 @@ MESHES = {
 }
 
 
-def sweep(load: Load, folder, device: str, out_dir, name: str) -> dict:
+def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = False) -> dict:
     from bench.loadgen.cli import run as bench_run
 
     kvstore, engine_extra, worker_extra = MESHES[name]
@@ -89,6 +94,13 @@ def sweep(load: Load, folder, device: str, out_dir, name: str) -> dict:
         ])  # fmt: skip
         before = _written(mesh)
         start = time.monotonic()
+        sampled = ["worker-0", "gateway", "scheduler"] + (["kvstore"] if kvstore else [])
+        expected = sum(
+            load.prompts_per_rate / float(r) for r in load.rates.split(",") if r != "inf"
+        )
+        profiler = Profile(children(mesh, sampled), expected) if profile else None
+        if profiler:
+            profiler.__enter__()
         rc = bench_run([
             "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
             "--dataset-name", "random", "--num-prompts", str(load.prompts_per_rate),
@@ -98,6 +110,8 @@ def sweep(load: Load, folder, device: str, out_dir, name: str) -> dict:
         ])  # fmt: skip
         seconds = time.monotonic() - start
         after = _written(mesh)
+        if profiler:
+            profiler.__exit__(None, None, None)
     finally:
         mesh.stop()
     runs = json.loads((out_dir / f"{name}-sweep.json").read_text())["runs"]
@@ -113,7 +127,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str) -> dict:
         "shared_dropped_by_reason": {r: after[r] - before[r] for r in DROP_REASONS},
         "host_bytes_to_host": after["to_host"],
         "put_failures_in_logs": _log_lines(mesh, "put failed"),
-    }
+    } | ({"profile": profiler.top(40)} if profiler else {})
 
 
 def _written(mesh: Mesh) -> dict:
@@ -160,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="default,bare",
         help=f"which meshes to sweep, in order (of {', '.join(MESHES)})",
     )
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     meshes = args.meshes.split(",")
     unknown = [m for m in meshes if m not in MESHES]
@@ -178,7 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
         folder, _ = preset_folder(section.tmp, load.preset)
         runs = {}
         for name in meshes:
-            runs[name] = section(name, lambda name=name: sweep(load, folder, device, out_dir, name))
+            runs[name] = section(
+                name, lambda name=name: sweep(load, folder, device, out_dir, name, args.profile)
+            )
         bare = runs.get("bare") or {}
         for name, run in runs.items():
             if name != "bare" and "rows" in (run or {}) and "rows" in bare:
