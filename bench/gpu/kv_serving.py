@@ -15,10 +15,9 @@ Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). `no_writes`: the default mesh with `--kv-write-through
 none`, to tell what the shared tier's writes cost from what the tiers' presence does.
-`--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store over
-each sweep (which slows
-them a little: figures from a profiled run are not compared with others); the
-frames' ranking goes into the mesh's result as `profile`.
+`--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store
+over each sweep (which slows them a little: figures from a profiled run are not
+compared with others); the frames' ranking goes into the mesh's result as `profile`.
 """
 
 from __future__ import annotations
