@@ -26,6 +26,7 @@ import torch
 from basis.host_regions import PREFIX, remove_stale, shm_dir
 
 logger = logging.getLogger(__name__)
+_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 @dataclass
@@ -66,7 +67,9 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool) -> HostMemo
     # an engine dropped without close() (or the process ending) removes its file too
     weakref.finalize(memory, path.unlink, missing_ok=True)
     if cuda:
-        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        # portable and mapped: any device may read and write it, copies or kernels
+        # (kernels/host_blocks.py stores blocks into it from the device)
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _PORTABLE_MAPPED)
         if int(err) != 0:
             memory.close()
             logger.warning("could not pin the shared host tier (error %s); private memory", err)

@@ -9,7 +9,11 @@ scattered from) a staging buffer of the same layout on the device.
 - `backup`: blocks that just became free but stay cached on the device are
   copied to the host on a side stream, after the work already queued; each
   device block keeps a reference until its copy is done (`poll`), so it cannot
-  be reused under the copy. Nothing waits for a backup.
+  be reused under the copy. Nothing waits for a backup. On CUDA a kernel of a
+  few programs stores the blocks straight into the slots
+  (`kernels/host_blocks.py`): copies through the copy engine would queue every
+  step's read-back of its sampled tokens behind them. `YINIAN_HOST_COPY=engine`
+  takes the copy engine instead (to compare).
 - `backup_evicted`: blocks the device pool is handing out again are gathered
   on the compute stream before the step that overwrites them, then copied to
   the host on the side stream (write-back: nothing moves until the device
@@ -25,6 +29,7 @@ scattered from) a staging buffer of the same layout on the device.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +38,7 @@ import torch
 from engine import host_memory
 from engine.block_pool import BlockPool, KVBlock
 from engine.host_pool import HostBlockPool
+from kernels import host_blocks
 
 _STAGING_BYTES = 256 << 20  # device staging per copy batch
 
@@ -72,6 +78,12 @@ class HostTier:
         self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()
         self.chunk = max(1, min(num_blocks, _STAGING_BYTES // self.bytes_per_block))
         self.side = torch.cuda.Stream(self.device) if cuda else None
+        # backups by a kernel storing into the slots, where it can (see the module's note)
+        self.kernel_writes = (
+            cuda
+            and os.environ.get("YINIAN_HOST_COPY", "kernel") != "engine"
+            and host_blocks.usable(kv_caches, self.blocks)
+        )
         self._inflight: list[_InFlight] = []
         self.stats = HostTierStats()
 
@@ -162,6 +174,11 @@ class HostTier:
         return staging
 
     def _to_host(self, pairs: list[tuple[KVBlock, int]]) -> None:
+        if self.kernel_writes:
+            ids = ids_on(self.device, [b.block_id for b, _ in pairs])
+            host_blocks.blocks_to_host(self.kv_caches, self.blocks, ids,
+                                       ids_on(self.device, [s for _, s in pairs]))  # fmt: skip
+            return
         for start in range(0, len(pairs), self.chunk):
             part = pairs[start : start + self.chunk]
             ids = ids_on(self.device, [b.block_id for b, _ in part])

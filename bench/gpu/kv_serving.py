@@ -11,10 +11,12 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-           [--meshes default,bare[,no_writes]] [--profile]
+           [--meshes default,bare[,no_writes,copy_engine]] [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). `no_writes`: the default mesh with `--kv-write-through
-none`, to tell what the shared tier's writes cost from what the tiers' presence does.
+none`, to tell what the shared tier's writes cost from what the tiers' presence does;
+`copy_engine`: the default mesh with `YINIAN_HOST_COPY=engine` (blocks go to the host
+tier through the copy engine, not a kernel).
 `--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store
 over each sweep (which slows them a little: figures from a profiled run are not
 compared with others); the frames' ranking goes into the mesh's result as `profile`.
@@ -61,22 +63,24 @@ def engine_argv(device: str) -> list[str]:
             "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
 
 
-# name -> (KV store on, the engine's extra flags, the worker's extra flags)
+# name -> (KV store on, the engine's extra flags, the worker's extra flags, environment)
 MESHES = {
-    "default": (True, [], []),
-    "bare": (False, ["--host-kv-cache-gb", "0"], []),
+    "default": (True, [], [], {}),
+    "bare": (False, ["--host-kv-cache-gb", "0"], [], {}),
     # the default mesh writing nothing to the shared tier: what the writes cost, apart
-    "no_writes": (True, [], ["--kv-write-through", "none"]),
+    "no_writes": (True, [], ["--kv-write-through", "none"], {}),
+    # the default mesh copying blocks to the host tier through the copy engine
+    "copy_engine": (True, [], [], {"YINIAN_HOST_COPY": "engine"}),
 }
 
 
 def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = False) -> dict:
     from bench.loadgen.cli import run as bench_run
 
-    kvstore, engine_extra, worker_extra = MESHES[name]
+    kvstore, engine_extra, worker_extra, env = MESHES[name]
     spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=kvstore,
                     engine_argv=engine_argv(device) + engine_extra,
-                    worker_argv=worker_extra)  # fmt: skip
+                    worker_argv=worker_extra, env=env)  # fmt: skip
     mesh = Mesh(spec)
     start = time.monotonic()
     mesh.start(timeout=900)
