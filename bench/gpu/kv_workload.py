@@ -92,9 +92,16 @@ def _tiers(mesh: Mesh) -> dict:
 
 
 def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,
-                 runs: list[str] = ("off", "on")) -> dict:  # fmt: skip
+                 runs: list[str] = ("off", "on"), earlier: dict | None = None) -> dict:  # fmt: skip
+    """The runs named in `runs`; `earlier`: the `yinian bench serve` result of the other
+    run of the same workload, made by an earlier call (one call may not have time for
+    both), whose figures and texts stand in for that run's (its tiers are not known)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results, texts = {}, {}
+    if earlier is not None:
+        other = "on" if "off" in runs else "off"
+        texts[other] = earlier["generated_texts"]
+        results[other] = {k: earlier.get(k) for k in SUMMARY} | {"from_earlier_call": True}
     for name, store in (("off", False), ("on", True)):
         if name not in runs:
             continue

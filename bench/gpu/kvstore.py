@@ -11,19 +11,23 @@ about 2k tokens).
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
-           [--traces] [--profile] [--runs off,on]
+           [--traces] [--profile] [--runs off,on] [--earlier PATH]
 `--traces`: the tier mesh's services export their spans here, and the device hit's
 stages are recorded (exporting them costs the services time: the TTFTs of such a run
 are not comparable). `--profile`: py-spy samples the engine alone and the tier
 mesh's worker, gateway and scheduler over repeated device hits (ranked frames in the
-results). `--runs`: which workload runs (the store off, on, or both).
+results). `--runs`: which workload runs (the store off, on, or both); `--earlier
+PATH`: the other run's `yinian bench serve` result (JSON, or gzipped) from an earlier
+call, compared with this one's (figures and greedy texts).
 Sections: ceilings, host_load, ttft_by_tier, cross_worker, workload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+from pathlib import Path
 
 from bench.gpu import ceilings
 from bench.gpu.kv_tiers import cross_worker, host_load, ttft_by_tier
@@ -103,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--traces", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="off,on")
+    parser.add_argument("--earlier", type=Path, help="the other run's bench-serve result")
     args = parser.parse_args(argv)
+    earlier = _read_result(args.earlier) if args.earlier else None
     setup = GPU if args.device == "cuda" else DRY
     if args.device == "cpu" and args.conversations:
         setup = dataclasses.replace(setup, device_blocks=2048, host_gb=0.05,
@@ -146,10 +152,18 @@ def main(argv: list[str] | None = None) -> dict:
                 lambda store: engine_argv(setup, device, store),
                 args.out.with_suffix(""),
                 runs=args.runs.split(","),
+                earlier=earlier,
             ),
         )
         print_table(section.results)
         return section.results
+
+
+def _read_result(path: Path) -> dict:
+    """A `yinian bench serve` result file, plain or gzipped JSON."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def print_table(results: dict) -> None:
