@@ -8,6 +8,7 @@ Tokenizer: such a model serves token-id prompts only.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -60,7 +61,17 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call lets go of the GIL while it works (the single one holds it): a
+        # long text tokenized in a thread leaves the caller's other threads running
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token's text takes (special tokens included): a
+        text of n characters is at least n / max_token_bytes tokens long."""
+        texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)],
+                                       skip_special_tokens=False)  # fmt: skip
+        return max((len(t.encode()) for t in texts), default=1) or 1
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -46,6 +46,8 @@ HOSTILE = [
     ("seed past int64", "/v1/completions", {**VALID, "seed": 10**30}, 400),
     ("streamed, seed 1e300", "/v1/completions", {**VALID, "seed": 1e300, "stream": True}, 400),
     ("priority past int32", "/v1/chat/completions", {**CHAT, "priority": 2**40}, 400),
+    ("tool message without tool_call_id", "/v1/chat/completions",
+     {**CHAT, "messages": [*CHAT["messages"], {"role": "tool", "content": "42"}]}, 400),
     ("stop token id past int32", "/v1/completions", {**VALID, "stop_token_ids": [2**40]}, 400),
 ]  # fmt: skip
 
@@ -117,4 +119,6 @@ def test_slow_drip_clients_do_not_block_others(guarded_mesh):
         t.join()
     bodies = results[0::2]  # their bodies never complete: 408 once the body timeout passed
     assert all(r and r.startswith(b"HTTP/1.1 408") for r in bodies), bodies[:2]
+    heads = results[1::2]  # nor do their headers: 408 once the header timeout passed
+    assert all(r and r.startswith(b"HTTP/1.1 408") for r in heads), heads[:2]
     assert post(guarded_mesh, "/v1/completions", VALID).status_code == 200

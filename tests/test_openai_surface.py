@@ -67,8 +67,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 
 def many(fn, count: int = REQUESTS) -> list:
+    # the first two alone (whole and streamed): the openai package builds its response
+    # types on first use, and threads building them at once can fail in pydantic
+    first = [x for i in range(min(2, count)) for x in fn(i)]
     with ThreadPoolExecutor(50) as pool:  # big batches: fewer model steps in all
-        return [x for batch in pool.map(fn, range(count)) for x in batch]
+        return first + [x for batch in pool.map(fn, range(2, count)) for x in batch]
 
 
 def chat(mesh, i: int, n: int = 1, **kw) -> list[tuple[dict, str]]:

@@ -22,6 +22,7 @@ from services.gateway.clients import SchedulerClient, WorkerPool
 from services.gateway.config import GatewayConfig
 from services.gateway.frontend import Frontend
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.http_protocol import connection_cap, protocol
 from services.gateway.openai_api import create_app
 from services.gateway.servicer import InferenceServicer
 
@@ -106,6 +107,8 @@ async def run(config: GatewayConfig) -> None:
         loop="none",
         lifespan="off",
         timeout_graceful_shutdown=2,
+        timeout_keep_alive=config.keep_alive_timeout,
+        http=protocol(config.header_timeout, connection_cap(config.max_connections)),
         **(tls.uvicorn_options() if tls else {}),
     )
     server = uvicorn.Server(uv_config)
@@ -118,8 +121,7 @@ async def run(config: GatewayConfig) -> None:
     scheme = "https" if tls else "http"
     rest_port = rest_socket.getsockname()[1]  # the port bound, also for --port 0
     print(
-        f"READY gateway {scheme}://{config.host}:{rest_port} grpc {config.host}:"
-        f"{grpc_server.port}",
+        f"READY gateway {scheme}://{config.host}:{rest_port} grpc {config.host}:{grpc_server.port}",
         flush=True,
     )
     stop = asyncio.Event()

@@ -105,7 +105,7 @@ def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
         plan = plan_chat(req, core.tool_format)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         messages = [m.template_message() for m in req.messages]
-        prompt_ids = core.chat_prompt(messages, tools=plan.tools)
+        prompt_ids = await core.chat_prompt(messages, tools=plan.tools)
         prep = core.prepare(
             prompt_ids,
             lambda m: req.sampling_params(m, logprobs, plan.structured),

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.errors import InvalidRequest
 from services.gateway.protocol import MAX_TOOLS, SamplingFields, StrictBody
@@ -36,6 +36,15 @@ class ChatMessage(StrictBody):
     refusal: str | None = None
     audio: dict | None = None
     function_call: dict | None = None
+
+    @model_validator(mode="after")
+    def _tool_turns_name_their_call(self):
+        # as OpenAI: a tool message answers one call, named by its id
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role `tool` needs `tool_call_id`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an `assistant` message may have `tool_calls`")
+        return self
 
     def text(self) -> str:
         if self.content is None:

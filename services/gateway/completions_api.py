@@ -44,7 +44,7 @@ def add_completions_route(app: FastAPI, core: GatewayCore, auth) -> None:
         prompts = completion_prompts(req.prompt)
         preps = [
             core.prepare(
-                core.tokenize(p),
+                await core.tokenize(p),
                 lambda m: req.sampling_params(m, req.logprobs, structured),
                 req.max_tokens,
                 tenant,

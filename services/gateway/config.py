@@ -56,6 +56,17 @@ class GatewayConfig(TlsSettings):
     body_timeout: float = setting(
         30.0, "seconds a client may take to send its request body (408 after)"
     )
+    header_timeout: float = setting(
+        10.0, "seconds a connection may take to send a request's headers (408 and closed after)"
+    )
+    keep_alive_timeout: float = setting(
+        5.0, "seconds an idle keep-alive connection stays open between requests"
+    )
+    max_connections: int = setting(
+        10_000,
+        "open HTTP connections at most (a new one past it gets 503 and is closed); "
+        "lowered to what the process's file-descriptor limit allows",
+    )
     tool_call_parser: str = setting(
         "",
         "how the model writes tool calls (default: read from its chat template)",
@@ -71,7 +82,10 @@ class GatewayConfig(TlsSettings):
             raise ValueError("block_size must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
-        for name in ("request_timeout", "idle_timeout", "body_timeout"):
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        for name in ("request_timeout", "idle_timeout", "body_timeout", "header_timeout",
+                     "keep_alive_timeout"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         TlsSettings.__post_init__(self)

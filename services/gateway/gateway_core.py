@@ -4,6 +4,8 @@ latency metrics, and collecting a whole (non-streamed) result."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +25,7 @@ from services.gateway.public_prefixes import load_public_prefixes, public_tokens
 from services.gateway.tool_calls import format_for
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_THREAD_CHARS = 1 << 16  # texts this long or longer are tokenized in a thread
 
 
 @dataclass(slots=True)
@@ -63,13 +66,30 @@ class GatewayCore:
         if name != self.model_name:
             raise NotFound(f"The model `{name}` does not exist.")
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, bounded: bool = True
+    ) -> list[int]:
+        """A text's token ids. A text longer than `max_model_len` tokens could hold is
+        refused before tokenizing (unless not `bounded`: /tokenize counts any text the
+        body limit lets in); a long one is tokenized in a thread, so the event loop
+        keeps serving everyone else meanwhile."""
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: send token ids")
+        limit = self.max_model_len * self.tokenizer.max_token_bytes
+        if bounded and len(text) > limit:
+            raise InvalidRequest(
+                f"the prompt has {len(text)} characters: {self.max_model_len} tokens (the "
+                f"context) hold at most {limit} ({self.tokenizer.max_token_bytes} a token)"
+            )
+        if len(text) < _THREAD_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")
-            if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer: send token ids")
-            return self.tokenizer.encode(prompt)
+            return await self.encode(prompt)
         try:
             self.model_config.check_token_ids(prompt)
         except ValueError as exc:
@@ -85,13 +105,25 @@ class GatewayCore:
             raise InvalidRequest(str(exc)) from exc
         return self.tokenizer.decode(token_ids)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The messages rendered by the chat template (in a thread when they are long)
+        and tokenized like `encode` (the template writes the special tokens itself)."""
+        return await self.encode(await self.chat_text(messages, tools), add_special_tokens=False)
+
+    async def chat_text(
+        self, messages: list[dict], tools: list[dict] | None = None, **options
+    ) -> str:
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template")
+        extra = {"tools": tools} if tools else {}
+        render = functools.partial(self.tokenizer.apply_chat_template, messages, **extra,
+                                   **{"add_generation_prompt": True, **options})  # fmt: skip
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+            if sum(len(str(m.get("content") or "")) for m in messages) < _THREAD_CHARS:
+                return render()
+            return await asyncio.to_thread(render)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 

@@ -8,6 +8,9 @@
 - Every failure is a response with OpenAI's error body, never an exception that
   leaves the app: uvicorn closes the connection on one, without telling the client,
   which then finds its next request on that keep-alive connection reset.
+- An error answered before the whole body was read (413, 408, a bad length) says
+  `Connection: close` and closes: the unread rest would otherwise be read as the
+  connection's next request.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from services.gateway.protocol import error_body
 logger = logging.getLogger(__name__)
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """The OpenAI error response of an exception (Retry-After when it has one)."""
+def error_response(exc: Exception, close: bool = False) -> JSONResponse:
+    """The OpenAI error response of an exception (Retry-After when it has one;
+    `Connection: close` with `close`)."""
     status, err_type = http_status_of(exc)
     if status >= 500 and status != 503:
         logger.exception("request failed", exc_info=exc)
-    headers = {}
+    headers = {"Connection": "close"} if close else {}
     if hasattr(exc, "retry_after"):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return JSONResponse(
@@ -78,6 +82,12 @@ def too_large(max_bytes: int) -> str:
     return f"the request body is larger than {max_bytes} bytes"
 
 
+def _has_body(scope) -> bool:
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
+    return b"transfer-encoding" in headers or (length is not None and length.strip() != b"0")
+
+
 class HttpGuard:
     """ASGI middleware: size and time limits on bodies, errors as OpenAI bodies."""
 
@@ -93,7 +103,7 @@ class HttpGuard:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and int(length) > self.max_body_bytes:  # h11 checked it
             exc = PayloadTooLarge(too_large(self.max_body_bytes))
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, close=True)(scope, receive, send)
             return
         started = False
 
@@ -111,4 +121,5 @@ class HttpGuard:
             if started:  # too late for a status: the response ends here, cut short
                 logger.warning("response cut short by %r", exc)
                 return
-            await error_response(exc)(scope, receive, send)
+            unread = _has_body(scope) and not body.done
+            await error_response(exc, close=unread)(scope, receive, send)

@@ -45,11 +45,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metadata = dict(context.invocation_metadata() or ())
         return self.auth.tenant(metadata.get("authorization"))
 
-    def _prepare(self, request, context, chat: bool):
+    async def _prepare(self, request, context, chat: bool):
         tenant = self._tenant(context)
         self.core.check_model(request.model)
         if chat:
-            prompt_ids = self.core.chat_prompt(
+            prompt_ids = await self.core.chat_prompt(
                 [{"role": m.role, "content": m.content} for m in request.messages]
             )
         else:
@@ -57,7 +57,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if which is None:
                 raise InvalidRequest("a prompt (text or token_ids) is required")
             prompt = request.text if which == "text" else list(request.token_ids.ids)
-            prompt_ids = self.core.tokenize(prompt)
+            prompt_ids = await self.core.tokenize(prompt)
         params = request.params
         max_tokens = params.max_tokens if params.HasField("max_tokens") else (None if chat else 16)
 
@@ -94,7 +94,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(models=[self.core.model_name])
 
     async def _unary(self, request, context, chat: bool):
-        prep, span = self._prepare(request, context, chat)
+        prep, span = await self._prepare(request, context, chat)
         stats = RunStats()
         ticket = await self.core.admission.admit(prep.tenant, [prep])
         try:
@@ -120,7 +120,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
 
     async def _stream(self, request, context, chat: bool):
-        prep, span = self._prepare(request, context, chat)
+        prep, span = await self._prepare(request, context, chat)
         stats = RunStats()
         ticket = await self.core.admission.admit(prep.tenant, [prep])
         try:

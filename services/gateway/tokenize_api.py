@@ -55,15 +55,14 @@ def add_tokenize_routes(app: FastAPI, core: GatewayCore, auth) -> None:
             raise InvalidRequest("this model has no tokenizer")
         if req.prompt is not None:
             special = req.add_special_tokens is not False
-            tokens = core.tokenizer.encode(req.prompt, add_special_tokens=special)
+            tokens = await core.encode(req.prompt, special, bounded=False)
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = core.tokenizer.apply_chat_template(
-                [m.template_message() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                **({"tools": tools} if tools else {}),
+            messages = [m.template_message() for m in req.messages]
+            text = await core.chat_text(
+                messages, tools, add_generation_prompt=req.add_generation_prompt
             )
-            tokens = core.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            tokens = await core.encode(text, bool(req.add_special_tokens), bounded=False)
         strs = [core.tokenizer.id_to_token(t) for t in tokens] if req.return_token_strs else None
         return {
             "count": len(tokens),
