@@ -1,8 +1,19 @@
 """gRPC clients the gateway uses: the scheduler and a pool of worker channels.
-Trace context rides in the call metadata."""
+Trace context rides in the call metadata.
+
+While the scheduler is away (restarting: unreachable, or back but with no worker
+registered yet; or stuck: no answer within `AWAY_WAIT`), a request is not
+refused: it goes where the scheduler placed recent requests (`RecentPlacements`,
+the last `RECENT_SECONDS`, round robin, skipping the workers the request
+excludes). A worker that is gone by then fails like any other and the request is
+placed again."""
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
+from collections import OrderedDict
 from contextlib import aclosing
 
 import grpc
@@ -15,12 +26,51 @@ from services.common.grpc_streams import StreamIdle, read_stream
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
 
+logger = logging.getLogger(__name__)
+RECENT_SECONDS = 60.0
+AWAY_WAIT = 1.0  # seconds a placement waits for the scheduler when it has a fallback
+
+
+class RecentPlacements:
+    """The scheduler's recent answers, by (decode worker, prefill worker)."""
+
+    def __init__(self, seconds: float = RECENT_SECONDS, clock=time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self._seen: OrderedDict[tuple[str, str], tuple[scheduler_pb2.Placement, float]] = (
+            OrderedDict()
+        )
+        self._turn = itertools.count()
+
+    def add(self, placement: scheduler_pb2.Placement) -> None:
+        key = (placement.worker_id, placement.prefill_worker_id)
+        self._seen[key] = (placement, self.clock())
+        self._seen.move_to_end(key)
+
+    def __bool__(self) -> bool:
+        return bool(self._seen)
+
+    def pick(self, exclude: list[str]) -> scheduler_pb2.Placement | None:
+        """A recent placement none of whose workers `exclude` names (round robin)."""
+        now = self.clock()
+        for key in [k for k, (_, t) in self._seen.items() if now - t > self.seconds]:
+            del self._seen[key]
+        usable = [p for p, _ in self._seen.values()
+                  if p.worker_id not in exclude and p.prefill_worker_id not in exclude]  # fmt: skip
+        if not usable:
+            return None
+        chosen = usable[next(self._turn) % len(usable)]
+        out = scheduler_pb2.Placement()
+        out.CopyFrom(chosen)
+        out.matched_blocks = 0  # nothing is known of this prompt's blocks there
+        return out
+
 
 class SchedulerClient:
     def __init__(self, address: str, timeout: float = 5.0, tls: TlsFiles | None = None):
         self.channel = aio_channel(address, tls, _OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.timeout = timeout
+        self.recent = RecentPlacements()
 
     async def place(
         self,
@@ -30,8 +80,11 @@ class SchedulerClient:
         tenant: str,
         exclude: list[str],
     ) -> scheduler_pb2.Placement:
+        # with recent placements to fall back on, a short wait (a scheduler answers in
+        # milliseconds); without, the whole timeout (one restarting is waited for)
+        wait = min(self.timeout, AWAY_WAIT) if self.recent else self.timeout
         try:
-            return await self.stub.Place(
+            placement = await self.stub.Place(
                 scheduler_pb2.PlaceRequest(
                     request_id=request_id,
                     prompt_tokens=prompt_tokens,
@@ -39,7 +92,7 @@ class SchedulerClient:
                     tenant=tenant,
                     exclude_workers=exclude,
                 ),
-                timeout=self.timeout,
+                timeout=wait,
                 metadata=grpc_metadata(),
                 # A scheduler that is restarting is waited for (up to the timeout)
                 # rather than answered with 503 at once.
@@ -47,8 +100,19 @@ class SchedulerClient:
             )
         except grpc.RpcError as exc:
             if self.channel.get_state() != grpc.ChannelConnectivity.READY:
-                raise WorkerUnavailable(f"scheduler unreachable: {exc.details()}") from exc
-            raise from_grpc_error(exc) from exc
+                error = WorkerUnavailable(f"scheduler unreachable: {exc.details()}")
+            else:
+                error = from_grpc_error(exc)
+            # the scheduler away, stuck, or (just restarted) knowing no worker yet
+            away = isinstance(error, (WorkerUnavailable, DeadlineExceeded))
+            fallback = self.recent.pick(exclude) if away else None
+            if fallback is None:
+                raise error from exc
+            logger.warning("placement failed (%s); %s placed as a recent request was",
+                           error, request_id)  # fmt: skip
+            return fallback
+        self.recent.add(placement)
+        return placement
 
     async def ready_workers(self) -> int:
         try:
