@@ -37,7 +37,7 @@ def chain(n: int, start: int = 1) -> list[int]:
 
 def value_bytes(tenant: str, fingerprint: Fingerprint = FP, size: int = PAYLOAD_BYTES) -> int:
     """What one block of `size` payload bytes costs in Redis (header included)."""
-    return len(encode(fingerprint.canonical(), tenant, 1, 0, 0, b"\0" * size))
+    return len(encode(fingerprint.canonical(), tenant, 1, 0, 0, b"\0" * size, key=bytes(32)))
 
 
 @dataclass

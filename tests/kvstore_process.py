@@ -4,6 +4,7 @@ thread of its own that records what is published and publishes for the test."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,11 @@ from collections import defaultdict
 import nats
 
 from services.common.processes import stop_process
+from services.kvstore import block_key
+
+# the stores of a test run share one block key, as a mesh's do (they read each other's
+# blocks in Redis, and a restarted store reads what the one before it wrote)
+BLOCK_KEY = block_key.new_key()
 
 
 class KvStoreProcess:
@@ -24,6 +30,7 @@ class KvStoreProcess:
             argv += ["--redis-url", redis_url]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.kvstore", *argv],
+            env={**os.environ, block_key.ENV: BLOCK_KEY},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

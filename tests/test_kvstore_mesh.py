@@ -23,6 +23,7 @@ from basis.block_hash import hash_prompt_blocks
 from engine import LLM, SamplingParams
 from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
+from services.common.kv_checksum import block_checksum
 from services.common.processes import free_port
 from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
@@ -196,16 +197,33 @@ def _payload_length(value: bytes) -> int:
     return block_format._FIXED.unpack_from(value)[4]
 
 
+def _forged(value: bytes, fp: dict) -> bytes:
+    """The block rewritten as someone with Redis but without the mesh's key would:
+    another payload, every checksum recomputed."""
+    payload = b"!" * _payload_length(value)
+    return block_format.encode(
+        Fingerprint(**fp).canonical(), "A", *block_format._FIXED.unpack_from(value)[2:4],
+        block_checksum(payload), payload, key=bytes(32),
+    )  # fmt: skip
+
+
+def _payload(value: bytes) -> bytes:
+    end = len(value) - block_format.TAG_BYTES
+    return value[end - _payload_length(value) : end]
+
+
 DAMAGE = {
-    "flipped byte": lambda value, fp: value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:],
+    "flipped byte": lambda value, fp: value[:-25] + bytes([value[-25] ^ 0x40]) + value[-24:],
     "truncated": lambda value, fp: value[: len(value) // 2],
     "other model": lambda value, fp: block_format.encode(
         Fingerprint(**{**fp, "model_id": "another-model"}).canonical(),
         "A",
         *block_format._FIXED.unpack_from(value)[2:4],
         block_format._FIXED.unpack_from(value)[5],
-        value[-_payload_length(value) :],
+        _payload(value),
+        key=bytes(32),
     ),
+    "forged": _forged,
 }
 
 

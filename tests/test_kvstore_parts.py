@@ -8,7 +8,7 @@ import pytest
 
 from services.common.kv_checksum import block_checksum
 from services.common.kv_index import GPU, HOST
-from services.kvstore.block_format import BlockCorrupt, decode, encode
+from services.kvstore.block_format import TAG_BYTES, BlockCorrupt, decode, encode
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.global_index import GlobalIndex
 from services.kvstore.quotas import Quotas, parse_quota_file
@@ -16,14 +16,16 @@ from services.kvstore.redis_layout import Namespace, member, parse_member
 from services.kvstore.shared_events import SharedEventLog
 
 FP = Fingerprint("m", "bfloat16", 16, "2x16x8x64", 4, 1)
+KEY = bytes(range(32))
 
 
-def _value(payload=b"kv" * 100, tenant="a", block_hash=7, parent=3):
-    return encode(FP.canonical(), tenant, block_hash, parent, block_checksum(payload), payload)
+def _value(payload=b"kv" * 100, tenant="a", block_hash=7, parent=3, key=KEY):
+    checksum = block_checksum(payload)
+    return encode(FP.canonical(), tenant, block_hash, parent, checksum, payload, key=key)
 
 
 def test_block_round_trip_and_each_check():
-    block = decode(_value(), fingerprint=FP.canonical(), tenant="a", block_hash=7)
+    block = decode(_value(), fingerprint=FP.canonical(), tenant="a", block_hash=7, key=KEY)
     assert (block.block_hash, block.parent_hash, block.payload) == (7, 3, b"kv" * 100)
     cases = {
         "tenant": dict(tenant="b"),
@@ -31,20 +33,24 @@ def test_block_round_trip_and_each_check():
         "fingerprint": dict(fingerprint=Fingerprint("m", "float16", 16, "2x16x8x64", 4, 1)),
     }
     for reason, ask in cases.items():
-        kwargs = dict(fingerprint=FP.canonical(), tenant="a", block_hash=7)
+        kwargs = dict(fingerprint=FP.canonical(), tenant="a", block_hash=7, key=KEY)
         kwargs.update({k: v.canonical() if k == "fingerprint" else v for k, v in ask.items()})
         with pytest.raises(BlockCorrupt) as err:
             decode(_value(), **kwargs)
         assert err.value.reason == reason
     value = _value()
+    end = len(value) - TAG_BYTES  # the payload's end: the tag follows it
     for broken, reason in [
         (value[:10], "truncated"),
         (value[:-1], "truncated"),
         (b"XXXX" + value[4:], "magic"),
-        (value[:-1] + bytes([value[-1] ^ 1]), "checksum"),
+        (value[: end - 1] + bytes([value[end - 1] ^ 1]) + value[end:], "checksum"),
+        (value[:-1] + bytes([value[-1] ^ 1]), "tag"),
+        # rewritten with every checksum recomputed, by someone without the key
+        (_value(payload=b"!!" * 100, key=bytes(32)), "tag"),
     ]:
         with pytest.raises(BlockCorrupt) as err:
-            decode(broken, fingerprint=FP.canonical(), tenant="a", block_hash=7)
+            decode(broken, fingerprint=FP.canonical(), tenant="a", block_hash=7, key=KEY)
         assert err.value.reason == reason
 
 

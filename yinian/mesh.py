@@ -29,6 +29,7 @@ from services.common.processes import (
     stop_processes,
 )
 from services.common.tls import TlsFiles
+from services.kvstore import block_key
 from yinian.children import Child, StartCancelled, launch, wait_ready
 
 INFRASTRUCTURE = ("nats", "redis")  # stopped after the services, which talk to them
@@ -272,7 +273,11 @@ class Mesh:
             argv += ["--redis-url", self.redis_url]
         if "--memory-tier-bytes" not in self.spec.kvstore_argv:
             argv += ["--memory-tier-bytes", str(default_store_memory_bytes())]
-        return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv])
+        # one block key per mesh (kept by the store's restarts), unless one is given
+        key = self.spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
+        self._block_key = getattr(self, "_block_key", None) or key or block_key.new_key()
+        return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv],
+                           extra={block_key.ENV: self._block_key})  # fmt: skip
 
     def kill_redis(self) -> None:
         """SIGKILL the mesh's Redis (a crash, for tests); `restart_redis` brings it back."""

@@ -21,6 +21,11 @@ class KvStoreConfig(TlsSettings):
         "the store serves the global index only)",
     )
     redis_cluster: bool = setting(False, "--redis-url names a node of a Redis Cluster")
+    block_key_file: str = setting(
+        "",
+        "file of the mesh's block key (64 hex digits) that tags blocks in Redis; every store "
+        "of a mesh needs the same (default: YINIAN_BLOCK_KEY, else a random one)",
+    )
     redis_timeout: float = setting(
         0.5, "seconds a Redis call may take before it counts as failed (a miss, never a hang)"
     )

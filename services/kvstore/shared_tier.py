@@ -12,10 +12,11 @@ blocks are skipped. Every Redis failure becomes a miss or a rejected put.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.kvstore import redis_layout as layout
 from services.kvstore.block_format import Block, BlockCorrupt, decode, encode
@@ -36,6 +37,8 @@ class TierSettings:
     pending_put_seconds: float = 30.0
     public_tenant: str = "__public__"
     scan_limit: int = 4096  # blocks an eviction looks at before it gives up
+    # tags the blocks in Redis (block_key.py); a random one unless the mesh gives one
+    block_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
 
 @dataclass(slots=True)
@@ -106,7 +109,8 @@ class SharedTier:
     ) -> PutOutcome:
         """Stores one block whose checksum the caller has verified."""
         ns, m = Namespace(tenant), member(fingerprint.id, block_hash)
-        value = encode(fingerprint.canonical(), tenant, block_hash, parent_hash, checksum, payload)
+        value = encode(fingerprint.canonical(), tenant, block_hash, parent_hash, checksum, payload,
+                       key=self.settings.block_key)  # fmt: skip
         quota = self.quotas.for_tenant(tenant)
         if len(value) > quota:
             return _rejected("too_large", f"{len(value)} bytes exceed the quota of {quota}")
@@ -257,9 +261,8 @@ class SharedTier:
             await self.drop(owner, m)  # gone behind our back (Redis's own eviction?)
             return None
         try:
-            return decode(
-                value, fingerprint=fingerprint.canonical(), tenant=owner, block_hash=block_hash
-            )
+            return decode(value, fingerprint=fingerprint.canonical(), tenant=owner,
+                          block_hash=block_hash, key=self.settings.block_key)  # fmt: skip
         except BlockCorrupt as exc:
             self.ledger.verification_failed(owner, exc.reason)
             key = ns.block(m)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from services.kvstore.block_key import load_key
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.ledger import Ledger
 from services.kvstore.memory_tier import Evicted, MemoryTier
@@ -29,6 +30,8 @@ def build_tiers(
         pending_put_seconds=config.pending_put_seconds,
         public_tenant=config.public_tenant,
     )
+    if config.redis_url:  # only Redis holds tagged blocks
+        settings.block_key = load_key(config.block_key_file)
     memory: MemoryTier | None = None
 
     def removed(hashes: list[int]) -> None:
