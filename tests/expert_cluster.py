@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from basis.sampling_params import SamplingParams
 from engine import AsyncLLM
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.experts.control import ExpertControl
+from services.common.tls import sync_channel
 from yinian.mesh import Mesh, MeshSpec
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -35,7 +34,7 @@ def expert_cluster(model: str, experts: int, scheduler_argv=(), expert_argv=()) 
 
 
 def balancer(mesh: Mesh) -> expert_pb2_grpc.ExpertBalancerStub:
-    return expert_pb2_grpc.ExpertBalancerStub(grpc.insecure_channel(mesh.scheduler_address))
+    return expert_pb2_grpc.ExpertBalancerStub(sync_channel(mesh.scheduler_address, None))
 
 
 def wait_for_placement(mesh: Mesh, members: int, timeout: float = 60.0) -> expert_pb2.ExpertStatus:

@@ -32,6 +32,7 @@ from proto.yinian.v1 import (  # noqa: E402
 )
 from services.common.bus import EventBus, load_subject  # noqa: E402
 from services.common.processes import free_port  # noqa: E402
+from services.common.tls import aio_channel
 
 FIRST_TOKEN = 20  # made-up token ids count up from here
 
@@ -91,7 +92,7 @@ async def main(args) -> None:
         host="127.0.0.1",
         device="cpu",
     )
-    async with grpc.aio.insecure_channel(args.scheduler) as channel:
+    async with aio_channel(args.scheduler, None) as channel:
         await scheduler_pb2_grpc.SchedulerStub(channel).Register(info, timeout=10)
     beats = asyncio.create_task(heartbeat(bus, args.worker_id))
     print(f"READY faulty worker {args.worker_id} 127.0.0.1:{port}", flush=True)

@@ -22,6 +22,7 @@ from proto.yinian.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.tls import sync_channel
 from yinian.mesh_probe import list_workers
 
 Code = grpc.StatusCode
@@ -114,7 +115,7 @@ def test_generated_inference_messages_get_deliberate_answers(
 
 
 def test_generated_placements_get_deliberate_answers(guarded_mesh):
-    channel = grpc.insecure_channel(guarded_mesh.scheduler_address)
+    channel = sync_channel(guarded_mesh.scheduler_address, None)  # the mesh token
     place = scheduler_pb2_grpc.SchedulerStub(channel).Place
     # UNAVAILABLE: every ready worker excluded (a deliberate answer)
     seen = _fuzz_rpc(place, messages(scheduler_pb2.PlaceRequest), False,
@@ -125,7 +126,7 @@ def test_generated_placements_get_deliberate_answers(guarded_mesh):
 
 def test_generated_generate_requests_get_deliberate_answers(guarded_mesh):
     worker = list_workers(guarded_mesh)[0]
-    channel = grpc.insecure_channel(worker.info.address)
+    channel = sync_channel(worker.info.address, None)  # the mesh token
     generate = worker_pb2_grpc.DecodeStub(channel).Generate
     seen = _fuzz_rpc(generate, messages(worker_pb2.GenerateRequest), True, DELIBERATE, 40)
     assert Code.INVALID_ARGUMENT in seen, seen

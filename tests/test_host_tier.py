@@ -123,8 +123,12 @@ def test_lent_blocks_go_straight_into_device_blocks_and_keep_their_prefix(model_
     a.engine.housekeeping()
     hashes = hash_prompt_blocks(prompt, 16)
     facts = a.engine.facts
-    rows = [torch.frombuffer(bytearray(d), dtype=facts.kv_dtype).view(
-        facts.num_layers, *facts.kv_block_shape) for d in a.engine.tiers.export_blocks(hashes)]
+    rows = [
+        torch.frombuffer(bytearray(d), dtype=facts.kv_dtype).view(
+            facts.num_layers, *facts.kv_block_shape
+        )
+        for d in a.engine.tiers.export_blocks(hashes)
+    ]
     # b holds the first two blocks, least recently used, and has room for few more
     b = LLM(folder, device="cpu", dtype="float32", host_kv_cache_gb=0, num_gpu_blocks=20)
     b.generate([prompt[:33]], GREEDY)

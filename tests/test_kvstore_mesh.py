@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import httpx
 import pytest
 import redis
@@ -25,6 +24,7 @@ from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
 from services.common.processes import free_port
+from services.common.tls import aio_channel, sync_channel
 from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
 from services.kvstore.fingerprint import Fingerprint
@@ -90,7 +90,7 @@ def expect(reference, prompt):
 
 
 def stub(mesh) -> kvstore_pb2_grpc.KvStoreStub:
-    return kvstore_pb2_grpc.KvStoreStub(grpc.insecure_channel(mesh.kvstore_address))
+    return kvstore_pb2_grpc.KvStoreStub(sync_channel(mesh.kvstore_address, None))
 
 
 def stats(mesh, tenant: str | None = None) -> kvstore_pb2.StatsResponse:
@@ -327,7 +327,7 @@ def test_tenants_never_read_each_others_blocks(mesh, reference):
     a_hashes = hash_prompt_blocks(prompt, 16, "A")  # A's exact hashes, asked for as B
 
     async def get_as(tenant):
-        async with grpc.aio.insecure_channel(mesh.kvstore_address) as channel:
+        async with aio_channel(mesh.kvstore_address, None) as channel:
             request = kvstore_pb2.GetRequest(
                 tenant=tenant, fingerprint=_fingerprint(mesh), block_hashes=a_hashes
             )

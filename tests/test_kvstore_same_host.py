@@ -22,6 +22,7 @@ from engine.host_memory import allocate
 from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.kv_checksum import block_checksum
 from services.common.processes import start_nats, stop_process
+from services.common.tls import sync_channel
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
 WIRE_FP = kvstore_pb2.ModelFingerprint(
@@ -39,7 +40,7 @@ def stub(request):
     nats_proc, nats_url = start_nats()
     redis = RedisServer().start()
     store = KvStoreProcess(nats_url, redis.url, *request.param).wait_ready()
-    channel = grpc.insecure_channel(store.address)
+    channel = sync_channel(store.address, None)
     try:
         yield kvstore_pb2_grpc.KvStoreStub(channel)
     finally:

@@ -21,6 +21,7 @@ from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, SHARED_KV_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
 from services.common.processes import start_nats, stop_process
+from services.common.tls import sync_channel
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
 WIRE_FP = kvstore_pb2.ModelFingerprint(
@@ -41,7 +42,7 @@ def mesh():
     recorder = NatsRecorder(nats_url, subjects)
     run(_seed(redis.url))  # in Redis before the store starts: its first snapshot lists it
     store = KvStoreProcess(nats_url, redis.url, "--max-block-bytes", "65536").wait_ready()
-    channel = grpc.insecure_channel(store.address)
+    channel = sync_channel(store.address, None)
     try:
         yield store, kvstore_pb2_grpc.KvStoreStub(channel), recorder, nats_url
     finally:
@@ -209,7 +210,7 @@ def test_without_redis_it_serves_the_index_only(mesh):
     store = KvStoreProcess(nats_url).wait_ready()
     try:
         assert store.log.count("shared tier is off") == 1
-        with grpc.insecure_channel(store.address) as channel:
+        with sync_channel(store.address, None) as channel:
             stub = kvstore_pb2_grpc.KvStoreStub(channel)
             (h,) = chain(1, start=6)
             response = stub.Put(iter([block("", h)]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from basis.host_regions import default_store_memory_bytes
+from services.common import mesh_token
 from services.common.processes import (
     check_port_free,
     free_port,
@@ -60,6 +61,8 @@ class MeshSpec:
     log_dir: Path | None = None
     gateways: int = 1  # the first on `port`/`grpc_port`, the others on free ports
     tls: TlsFiles | None = None  # every service's certificate, key and CA (mutual TLS)
+    # internal calls unauthenticated (no mesh token: services/common/mesh_token.py)
+    insecure_internal: bool = False
     drain_timeout: float = 30.0  # a stopped worker's time to finish its streams
     # The KV store (shared tier + global index) and the Redis behind it: started here
     # unless `redis_url` names one; without any redis-server the store runs the
@@ -116,6 +119,10 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        if self.spec.insecure_internal:
+            env.pop(mesh_token.ENV, None)
+        else:  # one token per process: its meshes, and this process's own calls to them
+            env[mesh_token.ENV] = os.environ.setdefault(mesh_token.ENV, mesh_token.new_token())
         if self.spec.tls is not None:  # every service's TlsSettings read these
             tls = self.spec.tls
             env.update(YINIAN_TLS_CERT=tls.cert, YINIAN_TLS_KEY=tls.key, YINIAN_TLS_CA=tls.ca)

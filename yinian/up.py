@@ -128,6 +128,12 @@ def add_up_parser(sub) -> None:
         "texts, {messages} or {token_ids}",
     )
     p.add_argument(
+        "--insecure-internal",
+        action="store_true",
+        help="let the services call each other without the mesh's token (anyone who reaches "
+        "an internal port may call it); the banner warns",
+    )
+    p.add_argument(
         "--tls",
         action="store_true",
         help="TLS everywhere with a throwaway CA made in the log folder: HTTPS and TLS gRPC "
@@ -233,6 +239,7 @@ def run_up(args) -> int:
         redis_url=args.redis_url,
         worker_argv=["--kv-write-through", args.kv_write_through],
         tls=from_args(TlsSettings, args).tls_files(),
+        insecure_internal=args.insecure_internal,
         drain_timeout=args.drain_timeout,
         experts=args.experts,
         expert_argv=["--slots", str(args.expert_slots)] if args.expert_slots else [],
@@ -317,6 +324,9 @@ def banner(mesh: Mesh, args) -> str:
         if tls
         else ""
     )
+    if mesh.spec.insecure_internal:
+        tls_line += ("\n  WARNING:        --insecure-internal: the services take calls from anyone "
+                     "who reaches their ports")  # fmt: skip
     if mesh.spec.experts:  # the balancer is the scheduler's ExpertBalancer service
         tls_line += f"\n  expert services: {mesh.spec.experts} (placed by EPLB at the scheduler)"
     return f"""

@@ -11,10 +11,10 @@ from __future__ import annotations
 import statistics
 import time
 
-import grpc
 import torch
 
 from proto.yinian.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.tls import sync_channel
 from yinian.mesh import MeshSpec
 from yinian.mesh_probe import workers_by_role
 
@@ -62,7 +62,7 @@ def endpoints(mesh, decode_id: str | None = None) -> tuple[worker_pb2_grpc.Decod
     """(a stub of the decode worker `decode_id`, or the first listed; the prefill address)."""
     roles = workers_by_role(mesh)
     decode = next(w for w in roles["decode"] if decode_id in (None, w.worker_id))
-    stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    stub = worker_pb2_grpc.DecodeStub(sync_channel(decode.address, None))
     return stub, roles["prefill"][0].address
 
 

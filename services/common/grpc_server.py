@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import mesh_token
 from services.common.errors import grpc_status_of
 from services.common.processes import check_port_free
 from services.common.tls import TlsFiles, check_readable
@@ -136,7 +137,8 @@ def _wrap_stream(behavior):
 class GrpcServer:
     """An aio server with health and reflection; `serving(bool)` flips readiness.
     With `tls`, clients must show a certificate of its CA unless
-    `require_client_cert` is False (a public endpoint). Larger requests than
+    `require_client_cert` is False (a public endpoint). An `internal` server
+    refuses calls without the mesh's token (mesh_token.py). Larger requests than
     `max_message_bytes` are refused (RESOURCE_EXHAUSTED) before they are parsed."""
 
     def __init__(
@@ -147,12 +149,18 @@ class GrpcServer:
         require_client_cert: bool = True,
         what: str = "gRPC",
         max_message_bytes: int = 256 * 1024 * 1024,
+        internal: bool = True,
     ):
         check_port_free(host, port, what)  # before gRPC logs a bind failure of its own
         check_readable(tls)
         self.in_flight = InFlight()
+        # an internal server takes calls of this mesh only (mesh_token.py)
+        guard = []
+        if internal:
+            mesh_token.warn_if_open(what)
+            guard = [mesh_token.TokenCheck(mesh_token.token())] if mesh_token.token() else []
         self.server = grpc.aio.server(
-            interceptors=[self.in_flight, ErrorMappingInterceptor()],
+            interceptors=[*guard, self.in_flight, ErrorMappingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),

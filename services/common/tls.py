@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from basis.flags import setting
+from services.common import mesh_token
 from services.common.entry import StartupError
 
 
@@ -81,17 +82,21 @@ class TlsSettings:
 
 
 def aio_channel(address: str, tls: TlsFiles | None, options=()) -> grpc.aio.Channel:
-    """An asyncio channel to `address`: TLS (with our certificate) or plaintext."""
+    """An asyncio channel to `address`: TLS (with our certificate) or plaintext;
+    its calls carry the mesh's token (services/common/mesh_token.py)."""
+    hooks = mesh_token.aio_interceptors()
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=list(options))
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=hooks)
+    creds = tls.channel_credentials()
+    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=hooks)
 
 
 def sync_channel(address: str, tls: TlsFiles | None, options=()) -> grpc.Channel:
     """A blocking channel (tools and tests), the same way."""
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+        return mesh_token.sync_intercept(grpc.insecure_channel(address, options=list(options)))
+    channel = grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+    return mesh_token.sync_intercept(channel)
 
 
 def check_readable(tls: TlsFiles | None) -> None:

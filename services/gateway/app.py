@@ -90,6 +90,7 @@ async def run(config: GatewayConfig) -> None:
         require_client_cert=False,
         what="gRPC (Inference)",
         max_message_bytes=config.max_body_bytes,
+        internal=False,  # the public API: API keys, not the mesh's token
     )
     rest_socket = listen_socket(config.host, config.port, "REST")
     grpc_server.add(
