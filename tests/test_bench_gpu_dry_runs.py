@@ -64,6 +64,7 @@ EXPECTED = {
     },
     "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
     "lend_copy": {"ceilings": "ok", "host_tier": "ok", "store_region": "ok"},
+    "host_writes": {"ceilings": "ok", "alone": "ok", "steps": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",

@@ -25,6 +25,7 @@ SCRIPTS = (
     "mla",
     "kvstore",
     "kv_serving",
+    "host_writes",
     "lend_copy",
     "experts",
     "parallel",
