@@ -251,6 +251,14 @@ def _fields(fp: Fingerprint) -> dict:
     return {name: getattr(fp, name) for name in fp.__dataclass_fields__}
 
 
+def test_the_mesh_redis_refuses_a_client_without_its_password(mesh):
+    bare = "redis://" + mesh.redis_url.rsplit("@", 1)[-1]
+    assert bare != mesh.redis_url  # the mesh's own URL carries its password
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(bare).keys("*")
+    assert redis.Redis.from_url(mesh.redis_url).ping()
+
+
 def test_redis_down_costs_hits_not_requests(mesh, reference):
     mesh.kill_redis()
     prompts = random_prompts(500, (40, 55, 70), seed=120)

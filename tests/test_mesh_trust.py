@@ -1,13 +1,17 @@
 """Nothing behind the gateway answers a stranger: a direct call to a worker, the
 scheduler or the KV store without the mesh's token is UNAUTHENTICATED (health
-checks stay open for probes), while the mesh's own calls go through; with
+checks stay open for probes), and its NATS takes no client without the mesh's
+password, while the mesh's own calls go through; with
 `insecure_internal` the same calls are served, as `yinian up --insecure-internal`
 warns. (Forged blocks in Redis: test_kvstore_mesh.py; the gateway's own limits:
 test_gateway_stall.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import nats
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -62,3 +66,17 @@ def test_insecure_internal_serves_strangers():
         worker = list_workers(mesh)[0].info
         chunks = _generate(worker.address)
     assert chunks and chunks[-1].finish_reason, chunks[-1:]
+
+
+def test_nats_refuses_a_client_without_the_mesh_password(guarded_mesh):
+    bare = "nats://" + guarded_mesh.nats_url.rsplit("@", 1)[-1]
+    assert bare != guarded_mesh.nats_url  # the mesh's own URL carries its login
+
+    async def connect(url: str) -> None:
+        client = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0,
+                                    allow_reconnect=False)  # fmt: skip
+        await client.close()
+
+    with pytest.raises(Exception, match="(?i)authorization"):
+        asyncio.run(connect(bare))
+    asyncio.run(connect(guarded_mesh.nats_url))

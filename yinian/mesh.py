@@ -8,6 +8,7 @@ supervisor), the tests and the reliability benchmarks.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import ssl
 import sys
@@ -119,6 +120,8 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        if self.nats_url:  # with its password: by environment, never on a command line
+            env["YINIAN_NATS_URL"] = self.nats_url
         if self.spec.insecure_internal:
             env.pop(mesh_token.ENV, None)
         else:  # one token per process: its meshes, and this process's own calls to them
@@ -153,6 +156,11 @@ class Mesh:
     def _start_nats(self) -> Child:
         # -p -1: any free port, which its "Listening ... on HOST:PORT" line names
         command = [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1"]
+        if not self.spec.insecure_internal:  # a user and password, in a file only we read
+            self._nats_password = secrets.token_urlsafe(24)
+            conf = _private_file(self.log_dir / "nats.conf", "authorization { user: \"yinian\", "
+                                 f"password: \"{self._nats_password}\" }}\n")  # fmt: skip
+            command += ["-c", str(conf)]
         listening = lambda line: "Listening for client" in line  # noqa: E731
         return self._add(launch("nats", command, dict(os.environ), self.log_dir / "nats.log",
                                 says_ready=listening))  # fmt: skip
@@ -162,9 +170,15 @@ class Mesh:
         if binary is None:
             return None
         port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
         data_dir = tempfile.mkdtemp(prefix="yinian-redis-", dir=self.log_dir)
-        return self._add(launch("redis", redis_command(binary, port, data_dir), redis_env(),
+        conf = None
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        if not self.spec.insecure_internal:  # a password, in a file only we read
+            password = secrets.token_urlsafe(24)
+            conf = _private_file(Path(data_dir) / "redis.conf", f"requirepass {password}\n")
+            self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        command = redis_command(binary, port, data_dir, config=str(conf) if conf else None)
+        return self._add(launch("redis", command, redis_env(),
                                 self.log_dir / "redis.log",
                                 says_ready=lambda line: "Ready to accept" in line))  # fmt: skip
 
@@ -176,8 +190,6 @@ class Mesh:
             self.spec.model,
             "--scheduler",
             self.scheduler_address,
-            "--nats-url",
-            self.nats_url,
             "--worker-id",
             worker_id,
             *([] if role == "prefill" else ["--role", role]),
@@ -203,14 +215,15 @@ class Mesh:
                 nats = self._start_nats()
                 wait_ready([nats], deadline, cancel)
                 port = _pin(nats, "-p", nats.ready_line.rsplit(":", 1)[-1])
-                self.nats_url = f"nats://127.0.0.1:{port}"
+                login = "" if self.spec.insecure_internal else f"yinian:{self._nats_password}@"
+                self.nats_url = f"nats://{login}127.0.0.1:{port}"
             # Every service binds any free port and names it in its ready line: no port is
             # picked here and released for a child to take (another process may take it
             # first). A restart is pinned to the port its first start bound.
             scheduler = self._spawn(
                 "scheduler",
                 "services.scheduler",
-                ["--host", self.spec.host, "--port", "0", "--nats-url", self.nats_url,
+                ["--host", self.spec.host, "--port", "0",
                  *self.spec.scheduler_argv],
             )  # fmt: skip
             started = [scheduler]
@@ -262,7 +275,7 @@ class Mesh:
 
     def _spawn_expert(self, index: int) -> Child:
         argv = ["--model", self.spec.model, "--host", self.spec.host, "--scheduler",
-                self.scheduler_address, "--nats-url", self.nats_url, "--expert-id",
+                self.scheduler_address, "--expert-id",
                 f"expert-{index}", *self.spec.expert_argv]  # fmt: skip
         return self._spawn(f"expert-{index}", "services.expert", argv, "expert")
 
@@ -275,16 +288,15 @@ class Mesh:
                       flush=True)  # fmt: skip
             else:
                 wait_ready([redis], deadline, cancel)
-        argv = ["--host", self.spec.host, "--port", "0", "--nats-url", self.nats_url]
-        if self.redis_url:
-            argv += ["--redis-url", self.redis_url]
+        argv = ["--host", self.spec.host, "--port", "0"]
+        extra = {"YINIAN_REDIS_URL": self.redis_url} if self.redis_url else {}
         if "--memory-tier-bytes" not in self.spec.kvstore_argv:
             argv += ["--memory-tier-bytes", str(default_store_memory_bytes())]
         # one block key per mesh (kept by the store's restarts), unless one is given
         key = self.spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
         self._block_key = getattr(self, "_block_key", None) or key or block_key.new_key()
         return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv],
-                           extra={block_key.ENV: self._block_key})  # fmt: skip
+                           extra={block_key.ENV: self._block_key, **extra})  # fmt: skip
 
     def kill_redis(self) -> None:
         """SIGKILL the mesh's Redis (a crash, for tests); `restart_redis` brings it back."""
@@ -349,6 +361,14 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """`text` in a file only this user may read (a secret for a child's config)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _pin(child: Child, flag: str, port) -> int:

@@ -174,7 +174,13 @@ def kv_line(mesh: Mesh) -> str:
         return "off (host tiers only)"
     if not mesh.redis_url:
         return f"{mesh.kvstore_address}, shared tier off (no redis-server; host tiers only)"
-    return f"{mesh.kvstore_address}, shared tier on {mesh.redis_url}"
+    return f"{mesh.kvstore_address}, shared tier on {shown(mesh.redis_url)}"
+
+
+def shown(url: str) -> str:
+    """A URL without its user and password (the banner is not where secrets go)."""
+    head, sep, rest = url.partition("://")
+    return f"{head}{sep}{rest.rsplit('@', 1)[-1]}" if sep else url
 
 
 def run_up(args) -> int:
@@ -334,7 +340,7 @@ yinian is ready.
   REST (OpenAI):  {mesh.url}/v1
   health:         {mesh.url}/health/ready (a worker is ready)   {mesh.url}/health/live
   gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
-  scheduler:      {mesh.scheduler_address}   NATS: {mesh.nats_url}
+  scheduler:      {mesh.scheduler_address}   NATS: {shown(mesh.nats_url or "")}
   KV store:       {kv_line(mesh)}{tls_line}
   model:          {name}
   metrics:        {metrics_lines(mesh)}

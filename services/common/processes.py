@@ -73,10 +73,14 @@ def redis_server_binary() -> str | None:
     return None
 
 
-def redis_command(binary: str, port: int, data_dir: str, *flags: str) -> list[str]:
+def redis_command(
+    binary: str, port: int, data_dir: str, *flags: str, config: str | None = None
+) -> list[str]:
     """A private redis-server on loopback keeping nothing on disk; it refuses writes
-    when full rather than drop values the KV store accounts for."""
-    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    when full rather than drop values the KV store accounts for. `config`: a file
+    read first (its password, say: never on the command line)."""
+    return [binary, *([config] if config else []), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "",
             "--appendonly", "no", "--dir", data_dir, "--maxmemory-policy", "noeviction",
             *flags]  # fmt: skip
 
