@@ -308,8 +308,15 @@ def test_k8s_manifests(monkeypatch):
                 continue
             # Service links would put YINIAN_SCHEDULER_PORT=tcp://... into every pod.
             assert pod["spec"]["enableServiceLinks"] is False, name
+            # every service takes the mesh's token and block key from the Secret
+            assert {"secretRef": {"name": "yinian-secrets", "optional": True}} in container.get(
+                "envFrom", []
+            ), name
             env = {}
             for source in container.get("envFrom", []):
+                if "secretRef" in source:  # the mesh's secrets: made by the operator
+                    assert source["secretRef"] == {"name": "yinian-secrets", "optional": True}
+                    continue
                 env.update(config_maps[source["configMapRef"]["name"]])
             for item in container.get("env", []):
                 ref = item.get("valueFrom", {})
