@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -109,6 +110,11 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
         up.wait_for("decode-0 is back", timeout=60)
         assert "decode-0 was killed by SIGKILL; restarting it" in up.output
         assert up.children()["decode-0"] != decode_0
+        # on the same ports as before (the README's promise; scrapers and peers keep them)
+        logs = Path(re.search(r"\(logs in (\S+)\)", up.output).group(1))
+        ready = [line.split()[3:6] for line in (logs / "decode-0.log").read_text().splitlines()
+                 if line.startswith("READY worker decode-0 ")]  # fmt: skip
+        assert len(ready) == 2 and ready[0] == ready[1], ready
         for i in range(6):  # the restarted worker is placed on again, among the others
             after = httpx.post(f"{url}/v1/completions", timeout=30, json={
                 "model": "tiny-llama", "prompt": f"after {i}", "max_tokens": 4})  # fmt: skip

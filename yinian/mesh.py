@@ -252,6 +252,8 @@ class Mesh:
             workers += [self._spawn_expert(i) for i in range(self.spec.experts)]
             gateways = [self._spawn_gateway(i) for i in range(self.spec.gateways)]
             wait_ready([*workers, *gateways], deadline, cancel)
+            for child in workers:  # a restarted worker comes back on the same ports
+                _pin_worker(child)
             self.gateway_ports = [_bound_gateway(g) for g in gateways]
             for url in self.urls[: self.spec.gateways]:  # none: a mesh of back ends only
                 self._wait_healthy(url, deadline, cancel)
@@ -384,6 +386,18 @@ def _bound_address(child: Child) -> str:
     address = child.ready_line.split()[2]
     _pin(child, "--port", address.rsplit(":", 1)[-1])
     return address
+
+
+def _pin_worker(child: Child) -> None:
+    """A worker's or expert service's ports, from "READY <kind> <id> HOST:PORT metrics
+    HOST:PORT", written into its command (last, so they win) for its restarts."""
+    words = child.ready_line.split()
+    for flag, address in (("--port", words[3]), ("--metrics-port", words[5])):
+        port = address.rsplit(":", 1)[-1]
+        if flag in child.command:
+            _pin(child, flag, port)
+        else:
+            child.command += [flag, port]
 
 
 def _bound_gateway(child: Child) -> tuple[int, int]:
