@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import httpx
 import pytest
 import redis
@@ -249,6 +250,23 @@ def test_damaged_blocks_are_caught_and_recomputed(mesh, reference, damage):
 
 def _fields(fp: Fingerprint) -> dict:
     return {name: getattr(fp, name) for name in fp.__dataclass_fields__}
+
+
+def test_the_store_answers_no_stranger(mesh):
+    # a caller without the mesh's token: no tenants' stats, no tenant's blocks
+    stranger = kvstore_pb2_grpc.KvStoreStub(grpc.insecure_channel(mesh.kvstore_address))
+    for call, request in [
+        (stranger.Stats, kvstore_pb2.StatsRequest()),
+        (stranger.Get, kvstore_pb2.GetRequest(
+            tenant="A", fingerprint=kvstore_pb2.ModelFingerprint(model_id="any"),
+            block_hashes=[1, 2])),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            answer = call(request, timeout=10)
+            if call is stranger.Get:
+                list(answer)  # a stream: its status comes with the first read
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stats(mesh)  # the mesh's own call is answered (it raises otherwise)
 
 
 def test_the_mesh_redis_refuses_a_client_without_its_password(mesh):
