@@ -114,8 +114,10 @@ def test_idle_and_half_sent_connections_are_closed(guarded_mesh):
 
 
 FLOOD = r"""
-import socket, sys, time
+import resource, socket, sys, time
 port, count = int(sys.argv[1]), int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 10,000 sockets and more
 socks = []
 for _ in range(count):
     s = socket.socket()
