@@ -53,6 +53,11 @@ class GatewayCore:
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = self.model_config.context_length(max_model_len)
+        # the most characters a prompt that fits the context can have (worked out at start:
+        # it decodes the whole vocabulary once)
+        self.max_prompt_chars = (
+            self.max_model_len * self.tokenizer.max_token_bytes if self.tokenizer else 0
+        )
         self.frontend = frontend
         self.admission = Admission()  # no tenant limits unless the app sets them
         self.public_prefixes = load_public_prefixes(
@@ -75,11 +80,11 @@ class GatewayCore:
         keeps serving everyone else meanwhile."""
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: send token ids")
-        limit = self.max_model_len * self.tokenizer.max_token_bytes
-        if bounded and len(text) > limit:
+        if bounded and len(text) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"the prompt has {len(text)} characters: {self.max_model_len} tokens (the "
-                f"context) hold at most {limit} ({self.tokenizer.max_token_bytes} a token)"
+                f"context) hold at most {self.max_prompt_chars} "
+                f"({self.tokenizer.max_token_bytes} a token)"
             )
         if len(text) < _THREAD_CHARS:
             return self.tokenizer.encode(text, add_special_tokens)

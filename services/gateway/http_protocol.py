@@ -24,6 +24,8 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from services.gateway.protocol import error_body
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,9 +44,7 @@ def _log_refusal(cap: int) -> None:
 
 
 def _raw_response(status: int, reason: str, message: str, err_type: str) -> bytes:
-    body = json.dumps(
-        {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    ).encode()
+    body = json.dumps(error_body(message, err_type, status)).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
