@@ -27,6 +27,7 @@ from services.gateway.gateway_core import GatewayCore
 from yinian.default_model import ensure_default_model
 
 VALID = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+LISTEN_BACKLOG = 2048  # uvicorn's, on the gateway's REST socket
 
 
 def _port(mesh) -> int:
@@ -172,8 +173,11 @@ def test_a_flood_of_connections_is_refused_clearly_and_bounded(guarded_mesh):
         sampler.join()
     refused, closed, held = (sum(c[i] for c in counts) for i in range(3))
     # past the cap each one is refused with a status; those it held were closed once
-    # their header timeout passed (connecting 20,000 outlasts it), or are held still
-    assert refused + closed + held == 20_000 and held <= MAX_CONNECTIONS, counts
+    # their header timeout passed (connecting 20,000 outlasts it), or are held still;
+    # "held" (no answer yet) also counts connections still in the listen backlog, which
+    # the gateway has not accepted (the gateway's own descriptors are bounded below)
+    assert refused + closed + held == 20_000, counts
+    assert held <= MAX_CONNECTIONS + LISTEN_BACKLOG, counts
     assert refused >= 10_000 and closed <= 20_000 - refused, counts
     assert max(most) <= base + MAX_CONNECTIONS + 50, f"the gateway held {max(most)} descriptors"
     time.sleep(HEADER_TIMEOUT + 1)
