@@ -82,6 +82,10 @@ class Mesh:
         self.spec = spec
         self.children: list[Child] = []
         self.nats_url = spec.nats_url
+        # the key tagging the mesh's blocks in Redis: one per mesh, kept by the store's
+        # restarts, unless one is given
+        self.block_key = (spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
+                          or block_key.new_key())  # fmt: skip
         self.redis_url = spec.redis_url
         self.gateway_ports: list[tuple[int, int]] = []  # (REST, gRPC) of each gateway
         self.kvstore_address = ""
@@ -294,11 +298,8 @@ class Mesh:
         extra = {"YINIAN_REDIS_URL": self.redis_url} if self.redis_url else {}
         if "--memory-tier-bytes" not in self.spec.kvstore_argv:
             argv += ["--memory-tier-bytes", str(default_store_memory_bytes())]
-        # one block key per mesh (kept by the store's restarts), unless one is given
-        key = self.spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
-        self._block_key = getattr(self, "_block_key", None) or key or block_key.new_key()
         return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv],
-                           extra={block_key.ENV: self._block_key, **extra})  # fmt: skip
+                           extra={block_key.ENV: self.block_key, **extra})  # fmt: skip
 
     def kill_redis(self) -> None:
         """SIGKILL the mesh's Redis (a crash, for tests); `restart_redis` brings it back."""

@@ -24,6 +24,7 @@ compared with others); the frames' ranking goes into the mesh's result as `profi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -102,19 +103,18 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
             load.prompts_per_rate / float(r) for r in load.rates.split(",") if r != "inf"
         )
         profiler = Profile(children(mesh, sampled), expected) if profile else None
-        if profiler:
-            profiler.__enter__()
-        rc = bench_run([
-            "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
-            "--dataset-name", "random", "--num-prompts", str(load.prompts_per_rate),
-            "--random-input-len", str(load.input_len), "--random-output-len",
-            str(load.output_len), "--prompt-format", "ids", "--request-rates", load.rates,
-            "--disable-tqdm", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
-        ])  # fmt: skip
-        seconds = time.monotonic() - start
-        after = _written(mesh)
-        if profiler:
-            profiler.__exit__(None, None, None)
+        with profiler or contextlib.nullcontext():  # py-spy stops with the sweep, come what may
+            rc = bench_run([
+                "serve", "--base-url", mesh.url, "--model", str(folder),
+                "--model-name", load.preset, "--dataset-name", "random",
+                "--num-prompts", str(load.prompts_per_rate),
+                "--random-input-len", str(load.input_len), "--random-output-len",
+                str(load.output_len), "--prompt-format", "ids", "--request-rates", load.rates,
+                "--disable-tqdm", "--result-dir", str(out_dir),
+                "--result-filename", f"{name}.json",
+            ])  # fmt: skip
+            seconds = time.monotonic() - start
+            after = _written(mesh)
     finally:
         mesh.stop()
     runs = json.loads((out_dir / f"{name}-sweep.json").read_text())["runs"]

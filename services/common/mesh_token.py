@@ -68,25 +68,24 @@ def _log_refusal(method: str, which: str) -> None:
 
 
 def _refusal(handler):
+    """The handler of the same kind as `handler` that only refuses."""
+    if handler is None:
+        return None
+
     async def refuse(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a call of this mesh")
 
     async def refuse_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a call of this mesh")
+        await refuse(request, context)
         yield  # pragma: no cover - abort raises
 
-    if handler is None:
-        return None
-    if handler.unary_stream or handler.stream_stream:
-        make, behaviour = (
-            (grpc.unary_stream_rpc_method_handler, refuse_stream)
-            if handler.unary_stream
-            else (grpc.stream_stream_rpc_method_handler, refuse_stream)
-        )
-    else:
-        make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
-                else grpc.stream_unary_rpc_method_handler)  # fmt: skip
-        behaviour = refuse
+    kinds = [
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler, refuse),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler, refuse_stream),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler, refuse),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler, refuse_stream),
+    ]
+    make, behaviour = next((m, b) for served, m, b in kinds if served)
     return make(behaviour, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)  # fmt: skip
 

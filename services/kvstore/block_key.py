@@ -22,6 +22,10 @@ ENV = "YINIAN_BLOCK_KEY"
 KEY_BYTES = 32
 
 
+def random_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
 def new_key() -> str:
     """A fresh key, as the hex text `YINIAN_BLOCK_KEY` and key files hold."""
     return secrets.token_hex(KEY_BYTES)
@@ -48,4 +52,4 @@ def load_key(path: str = "") -> bytes:
         return parse_key(os.environ[ENV], ENV)
     logger.warning("no block key (--block-key-file or %s): a random one; blocks this store "
                    "writes to Redis will not verify for the next store process", ENV)  # fmt: skip
-    return secrets.token_bytes(KEY_BYTES)
+    return random_key()

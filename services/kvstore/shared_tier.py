@@ -12,7 +12,6 @@ blocks are skipped. Every Redis failure becomes a miss or a rejected put.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 
 from services.kvstore import redis_layout as layout
 from services.kvstore.block_format import Block, BlockCorrupt, decode, encode
+from services.kvstore.block_key import random_key
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.ledger import Ledger
 from services.kvstore.quotas import Quotas
@@ -38,7 +38,7 @@ class TierSettings:
     public_tenant: str = "__public__"
     scan_limit: int = 4096  # blocks an eviction looks at before it gives up
     # tags the blocks in Redis (block_key.py); a random one unless the mesh gives one
-    block_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    block_key: bytes = field(default_factory=random_key)
 
 
 @dataclass(slots=True)
