@@ -270,6 +270,29 @@ def test_a_sweep_writes_one_result_per_rate_and_the_sweep_plots(server, tok_dir,
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_each_rate_of_a_sweep_sends_its_own_prompts_unless_asked_to_repeat(
+    server, tok_dir, tmp_path
+):
+    # a server with a prefix cache would answer a repeated prompt from its cache
+    server.configure(first_token_s=0.0, interval_s=0.001, num_tokens=2)
+    tok = datasets.load_tokenizer(str(tok_dir))
+
+    def drawn(seed: int) -> list[str]:  # the dataset's prompts for a seed
+        return sorted(r.prompt for r in datasets.random_requests(tok, 5, 16, 8, seed=seed))
+
+    assert drawn(0) != drawn(1)
+    common = ("--request-rates", "inf,inf", "--num-prompts", "5", "--num-warmups", "0",
+              "--no-plots")  # fmt: skip
+    for extra, second_seed in (((), 1), (("--sweep-repeat-requests",), 0)):
+        before = len(server.stats.bodies)
+        rc, _ = bench(server, tok_dir, tmp_path, *common, *extra)
+        sent = [b["prompt"] for b in server.stats.bodies[before:]]
+        assert rc == 0 and len(sent) == 10
+        assert sorted(sent[:5]) == drawn(0) and sorted(sent[5:]) == drawn(second_seed)
+    seeds = json.loads((tmp_path / "run-rateinf.json").read_text())["dataset"].get("seeds")
+    assert seeds is None  # repeated: one seed, the dataset's
+
+
 def test_poisson_arrivals_have_mean_gap_one_over_rate():
     offsets = arrival_offsets(4000, rate=50.0, burstiness=1.0, seed=3)
     gaps = np.diff(offsets)

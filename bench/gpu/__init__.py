@@ -26,6 +26,7 @@ SCRIPTS = (
     "kvstore",
     "kv_serving",
     "host_writes",
+    "hit_check",
     "lend_copy",
     "experts",
     "parallel",

@@ -88,9 +88,9 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
     started = time.monotonic() - start
     try:
         top = load.rates.split(",")[-1]
-        bench_run([  # the warm-up: other prompts (another seed), not recorded
+        bench_run([  # the warm-up: other prompts (a seed no rate of the sweep uses), not recorded
             "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
-            "--dataset-name", "random", "--num-prompts", str(load.warmup_prompts), "--seed", "1",
+            "--dataset-name", "random", "--num-prompts", str(load.warmup_prompts), "--seed", "1000",
             "--random-input-len", str(load.input_len), "--random-output-len",
             str(load.output_len), "--prompt-format", "ids", "--request-rate", top,
             "--disable-tqdm", "--no-plots", "--result-dir", str(out_dir),
@@ -117,7 +117,9 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
             after = _written(mesh)
     finally:
         mesh.stop()
-    runs = json.loads((out_dir / f"{name}-sweep.json").read_text())["runs"]
+    sweep_file = out_dir / f"{name}-sweep.json"  # one rate alone writes no sweep file
+    runs = (json.loads(sweep_file.read_text())["runs"] if sweep_file.exists()
+            else [json.loads((out_dir / f"{name}.json").read_text())])  # fmt: skip
     written = after["bytes"] - before["bytes"]
     return {
         "rc": rc,

@@ -179,6 +179,10 @@ def ttft_by_tier(
     # which tier's answer differs (bf16 on random weights: near-tied logits can flip
     # between a whole prefill and a cached prefix's last block, tier or not)
     out["same_as_none"] = {t: texts[t] == texts["none"] for t in ("gpu", "host", "shared")}
+    # a tier's blocks are whole when its hit answers as the device hit does (the same
+    # computation: a cached prefix and the last block's prefill)
+    out["same_as_gpu"] = {t: texts[t] == texts["gpu"] for t in ("host", "shared")}
+    out["texts"] = texts
     none = out["none"]["ttft_ms"]
     out["speedup_over_none"] = {t: none / out[t]["ttft_ms"] for t in ("gpu", "host", "shared")}
     return out
@@ -282,5 +286,7 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
     out["fetch_ms"] = _fetch_ms(mesh)
     texts = {t: out[t].pop("text") for t in ("none", "gpu", "other")}
     out["same_answer"] = len(set(texts.values())) == 1
+    out["same_as_gpu"] = texts["other"] == texts["gpu"]  # as in ttft_by_tier
+    out["texts"] = texts
     out["other_over_none"] = out["other"]["ttft_ms"] / out["none"]["ttft_ms"]
     return out

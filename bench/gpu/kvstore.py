@@ -185,6 +185,8 @@ def print_table(results: dict) -> None:
                   f"cached {row['cached_tokens']}")  # fmt: skip
         print("speed-up over none:", json.dumps(tiers["speedup_over_none"]))
         print("shared tier fetched by path:", json.dumps(tiers.get("shared_fetched_by_path")))
+        print("answer as recomputed:", json.dumps(tiers.get("same_as_none")),
+              "as the device hit:", json.dumps(tiers.get("same_as_gpu")))  # fmt: skip
         for stage, row in (tiers.get("gpu_stages") or {}).items():
             print(f"  device hit: {stage:44} +{row['start_ms']:7.2f} ms  {row['ms']:7.2f} ms")
     cross = results.get("cross_worker") or {}
@@ -192,7 +194,8 @@ def print_table(results: dict) -> None:
         print(
             f"TTFT, prefix computed on another worker: {cross['other']['ttft_ms']:.1f} ms "
             f"(recompute {cross['none']['ttft_ms']:.1f} ms: {cross['other_over_none']:.2f}x), "
-            f"cached {cross['other']['cached_tokens']}, same answer {cross['same_answer']}, "
+            f"cached {cross['other']['cached_tokens']}, "
+            f"answer as the device hit's {cross.get('same_as_gpu')}, "
             f"fetched {json.dumps(cross.get('fetched_by_path'))} in {cross['fetch_ms']:.0f} ms"
         )
     work = results.get("workload") or {}

@@ -137,7 +137,17 @@ def _serve(args) -> int:
     if not tokenizer or not Path(tokenizer).is_dir():
         tokenizer = _served_folder(base_url, args.api_key)
     tok = datasets.load_tokenizer(tokenizer)
+    rates = args.request_rates or [args.request_rate]
     requests, info = build_requests(args, tok)
+    per_rate = [requests]
+    if len(rates) > 1 and not args.sweep_repeat_requests:
+        # A server with a prefix cache answers a repeated prompt from its cache: each rate
+        # after the first gets its own prompts (seed + i) so that every run measures prefill.
+        per_rate += [
+            build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), tok)[0]
+            for i in range(1, len(rates))
+        ]
+        info["seeds"] = [args.seed + i for i in range(len(rates))]
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     chat = args.backend == "openai-chat" or "chat/completions" in (args.endpoint or "")
@@ -147,7 +157,7 @@ def _serve(args) -> int:
         chat=chat,
         model=args.model_name or (None if Path(str(args.model)).is_dir() else args.model),
         api_key=args.api_key,
-        request_rates=args.request_rates or [args.request_rate],
+        request_rates=rates,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
@@ -165,7 +175,7 @@ def _serve(args) -> int:
         cache_block_size=args.cache_block_size,
     )
     info["tokenizer"] = str(tokenizer)
-    results = run_serve(cfg, requests, info)
+    results = run_serve(cfg, per_rate, info)
     # Exit 1 when every request of some run failed: the numbers would mean nothing.
     return 1 if any(r["completed"] == 0 for r in results) else 0
 
@@ -252,6 +262,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
     g.add_argument("--request-rates", type=_rates, help="a sweep, e.g. 1,2,4,inf")
+    g.add_argument("--sweep-repeat-requests", action="store_true",
+                   help="send a sweep's first requests again at every rate (default: each rate "
+                   "draws its own with seed + its index, so no rate is served from the prefix "
+                   "cache an earlier rate filled)")  # fmt: skip
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int,
                    help="requests in flight at most (default: no limit)")  # fmt: skip

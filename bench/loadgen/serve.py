@@ -5,7 +5,8 @@ else gaps drawn from a gamma distribution with shape `burstiness` and mean
 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
 in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
 multi-turn request waits for its conversation's previous turn to finish.
-A sweep repeats the run at each rate of `request_rates` on the same requests.
+A sweep repeats the run at each rate of `request_rates`, each on its own list
+of requests (or on the one list given for all).
 
 Each run writes RESULT.json (metrics, config, per-request arrays with error
 bodies) and RESULT-cdf.png; a sweep also writes BASE-sweep.json and the
@@ -161,8 +162,15 @@ def _base_name(cfg: ServeConfig, dataset: dict) -> str:
     return f"serve-{dataset.get('name', 'custom')}-{stamp}"
 
 
-def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> list[dict]:
-    """Runs one benchmark per rate, writes results and plots; returns the result dicts."""
+def run_serve(
+    cfg: ServeConfig, requests_by_rate: list[list[BenchRequest]], dataset: dict
+) -> list[dict]:
+    """Runs one benchmark per rate (on `requests_by_rate[i]`, or on its only list for
+    every rate), writes results and plots; returns the result dicts."""
+    if len(requests_by_rate) not in (1, len(cfg.request_rates)):
+        raise ValueError(
+            f"{len(requests_by_rate)} request lists for {len(cfg.request_rates)} rates"
+        )
     if cfg.endpoint is None:
         cfg.endpoint = "/v1/chat/completions" if cfg.chat else "/v1/completions"
     if cfg.model is None:
@@ -186,6 +194,7 @@ def run_serve(cfg: ServeConfig, requests: list[BenchRequest], dataset: dict) -> 
     sweep = len(cfg.request_rates) > 1
     results = []
     for i, rate in enumerate(cfg.request_rates):
+        requests = requests_by_rate[i if len(requests_by_rate) > 1 else 0]
         runs, duration, t0, warmup_errors = asyncio.run(
             run_load(cfg, requests, rate, warmups=cfg.num_warmups if i == 0 else 0)
         )
