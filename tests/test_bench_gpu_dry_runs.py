@@ -65,8 +65,13 @@ EXPECTED = {
     "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
     "lend_copy": {"ceilings": "ok", "host_tier": "ok", "store_region": "ok"},
     "host_writes": {"ceilings": "ok", "alone": "ok", "steps": "ok"},
-    "hit_check": {"ceilings": "ok", "reference": "ok", "kernel": "ok", "engine": "ok",
-                  "no_host": "ok"},  # fmt: skip
+    "hit_check": {
+        "ceilings": "ok",
+        "reference": "ok",
+        "kernel": "ok",
+        "engine": "ok",
+        "no_host": "ok",
+    },  # fmt: skip
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",
