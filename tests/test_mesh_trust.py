@@ -8,6 +8,7 @@ test_gateway_stall.py.)"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import grpc
@@ -25,6 +26,7 @@ from proto.yinian.v1 import (
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import list_workers
+from yinian.up import banner
 
 
 def _generate(address: str) -> list:
@@ -65,18 +67,32 @@ def test_insecure_internal_serves_strangers():
     with Mesh(spec) as mesh:
         worker = list_workers(mesh)[0].info
         chunks = _generate(worker.address)
+        assert "@" not in mesh.nats_url  # no login: NATS takes anyone too
+        asyncio.run(_connect(mesh.nats_url))
+        shown = banner(mesh, _UP_ARGS)
     assert chunks and chunks[-1].finish_reason, chunks[-1:]
+    assert "WARNING:        --insecure-internal: the services take calls from anyone" in shown
+
+
+def test_the_banner_warns_only_when_the_mesh_is_open(guarded_mesh):
+    assert "WARNING" not in banner(guarded_mesh, _UP_ARGS)
+    password = guarded_mesh.nats_url.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+    assert password and password not in banner(guarded_mesh, _UP_ARGS)  # masked
+
+
+_UP_ARGS = argparse.Namespace(served_model_name=None, host="127.0.0.1")
+
+
+async def _connect(url: str) -> None:
+    client = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0,
+                                allow_reconnect=False)  # fmt: skip
+    await client.close()
 
 
 def test_nats_refuses_a_client_without_the_mesh_password(guarded_mesh):
     bare = "nats://" + guarded_mesh.nats_url.rsplit("@", 1)[-1]
     assert bare != guarded_mesh.nats_url  # the mesh's own URL carries its login
 
-    async def connect(url: str) -> None:
-        client = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0,
-                                    allow_reconnect=False)  # fmt: skip
-        await client.close()
-
     with pytest.raises(Exception, match="(?i)authorization"):
-        asyncio.run(connect(bare))
-    asyncio.run(connect(guarded_mesh.nats_url))
+        asyncio.run(_connect(bare))
+    asyncio.run(_connect(guarded_mesh.nats_url))
