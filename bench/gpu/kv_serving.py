@@ -77,6 +77,7 @@ MESHES = {
 
 def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = False) -> dict:
     from bench.loadgen.cli import run as bench_run
+    from bench.loadgen.serve import written_runs
 
     kvstore, engine_extra, worker_extra, env = MESHES[name]
     spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=kvstore,
@@ -117,9 +118,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
             after = _written(mesh)
     finally:
         mesh.stop()
-    sweep_file = out_dir / f"{name}-sweep.json"  # one rate alone writes no sweep file
-    runs = (json.loads(sweep_file.read_text())["runs"] if sweep_file.exists()
-            else [json.loads((out_dir / f"{name}.json").read_text())])  # fmt: skip
+    runs = written_runs(out_dir, name)
     written = after["bytes"] - before["bytes"]
     return {
         "rc": rc,

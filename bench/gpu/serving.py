@@ -20,7 +20,6 @@ over calls when a call's time is short.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 from bench.gpu import ceilings
@@ -56,6 +55,7 @@ DRY = Workload("tiny-llama", 4, 32, 8, "16,inf", 4)
 
 def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
     from bench.loadgen.cli import run as bench_run
+    from bench.loadgen.serve import written_runs
 
     options = w.engine(device)
     argv = ["--device", device, "--dtype", options["dtype"], "--load-format", "dummy",
@@ -75,8 +75,7 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
         seconds = time.monotonic() - start
     finally:
         mesh.stop()
-    sweep = json.loads((out_dir / "sweep-sweep.json").read_text())
-    rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in sweep["runs"]]
+    rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in written_runs(out_dir, "sweep")]
     ok = [r for r in rows if r["failed"] == 0 and r["p99_ttft_ms"] is not None
           and r["p99_ttft_ms"] <= 200 and r["p99_tpot_ms"] <= 50]  # fmt: skip
     best = max((float(r["request_rate"]) for r in ok), default=None)

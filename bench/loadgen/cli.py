@@ -139,11 +139,11 @@ def _serve(args) -> int:
     tok = datasets.load_tokenizer(tokenizer)
     rates = args.request_rates or [args.request_rate]
     requests, info = build_requests(args, tok)
-    per_rate = [requests]
+    per_rate = [requests] * len(rates)
     if len(rates) > 1 and not args.sweep_repeat_requests:
         # A server with a prefix cache answers a repeated prompt from its cache: each rate
         # after the first gets its own prompts (seed + i) so that every run measures prefill.
-        per_rate += [
+        per_rate[1:] = [
             build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), tok)[0]
             for i in range(1, len(rates))
         ]

@@ -6,7 +6,7 @@ else gaps drawn from a gamma distribution with shape `burstiness` and mean
 in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
 multi-turn request waits for its conversation's previous turn to finish.
 A sweep repeats the run at each rate of `request_rates`, each on its own list
-of requests (or on the one list given for all).
+of requests.
 
 Each run writes RESULT.json (metrics, config, per-request arrays with error
 bodies) and RESULT-cdf.png; a sweep also writes BASE-sweep.json and the
@@ -165,9 +165,9 @@ def _base_name(cfg: ServeConfig, dataset: dict) -> str:
 def run_serve(
     cfg: ServeConfig, requests_by_rate: list[list[BenchRequest]], dataset: dict
 ) -> list[dict]:
-    """Runs one benchmark per rate (on `requests_by_rate[i]`, or on its only list for
-    every rate), writes results and plots; returns the result dicts."""
-    if len(requests_by_rate) not in (1, len(cfg.request_rates)):
+    """Runs one benchmark per rate (rate i on `requests_by_rate[i]`), writes results
+    and plots; returns the result dicts."""
+    if len(requests_by_rate) != len(cfg.request_rates):
         raise ValueError(
             f"{len(requests_by_rate)} request lists for {len(cfg.request_rates)} rates"
         )
@@ -193,8 +193,7 @@ def run_serve(
     base = _base_name(cfg, dataset)
     sweep = len(cfg.request_rates) > 1
     results = []
-    for i, rate in enumerate(cfg.request_rates):
-        requests = requests_by_rate[i if len(requests_by_rate) > 1 else 0]
+    for i, (rate, requests) in enumerate(zip(cfg.request_rates, requests_by_rate)):
         runs, duration, t0, warmup_errors = asyncio.run(
             run_load(cfg, requests, rate, warmups=cfg.num_warmups if i == 0 else 0)
         )
@@ -242,6 +241,15 @@ def run_serve(
         write_json(out_dir / f"{base}-sweep.json", {"runs": summary, "plots": plots})
         print_sweep_table(results)
     return results
+
+
+def written_runs(result_dir: Path, base: str) -> list[dict]:
+    """The runs a `bench serve` call with `--result-filename BASE` wrote: a sweep's
+    summaries (BASE-sweep.json), or one rate's whole result (BASE.json)."""
+    sweep = Path(result_dir) / f"{base}-sweep.json"
+    if sweep.exists():
+        return json.loads(sweep.read_text())["runs"]
+    return [json.loads((Path(result_dir) / f"{base}.json").read_text())]
 
 
 _PER_REQUEST_KEYS = {
