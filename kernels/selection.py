@@ -266,9 +266,17 @@ class Selector:
                     if found is not None and found in candidates:
                         how = "cached by another process"
                     else:
+                        began = time.monotonic()
                         found, ms = self.tune(args, candidates)
                         cache.put(self.cache_key, bucket, found, ms)
                         how = f"tuned, {ms:.4f} ms"
+                        # rare and slow (every candidate compiled and timed, while the
+                        # caller waits): worth a line where a slow first request is read
+                        logger.info(
+                            "kernel tuned: %s bucket %s -> %s %s in %.2f s",
+                            self.op, bucket, found.variant, found.kwargs,
+                            time.monotonic() - began,
+                        )  # fmt: skip
         self._memo[key] = found
         logger.debug(
             "kernel %s on %s bucket %s -> %s %s (%s)",

@@ -105,3 +105,16 @@ def test_dry_run(script, tmp_path):
     for name, how in outcomes.items():
         if how == "skipped":
             assert results[name]["skipped"].startswith("needs "), results[name]
+
+
+def test_kv_serving_pairs_each_repeated_mesh_with_the_bare_run_of_its_round():
+    from bench.gpu.kv_serving import kind_of, pairs, run_names
+
+    names = run_names(["bare", "default", "bare", "default", "no_writes"])
+    assert names == ["bare", "default", "bare_2", "default_2", "no_writes"]
+    assert [kind_of(n) for n in names] == ["bare", "default", "bare", "default", "no_writes"]
+    assert pairs(names) == [("default", "bare"), ("default_2", "bare_2"), ("no_writes", "bare")]
+    assert pairs(run_names(["default", "default", "bare"])) == [
+        ("default", "bare"),
+        ("default_2", "bare"),
+    ]

@@ -13,8 +13,13 @@ Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
            [--meshes default,bare[,no_writes,copy_engine]] [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
-mesh, printed and stored). `no_writes`: the default mesh with `--kv-write-through
-none`, to tell what the shared tier's writes cost from what the tiers' presence does;
+mesh, printed and stored). A mesh named again runs again, stored as `name_2`, ...
+(`--meshes bare,default,bare,default`: each kind of mesh both first and after the
+other, since the first mesh of a run tunes the kernels for the shapes it meets
+first (`kernel tuned` lines, counted in each sweep as `kernel_tunings`), and the
+ratios pair each run with the bare run of the same round).
+`no_writes`: the default mesh with `--kv-write-through none`, to tell what the
+shared tier's writes cost from what the tiers' presence does;
 `copy_engine`: the default mesh with `YINIAN_HOST_COPY=engine` (blocks go to the host
 tier through the copy engine, not a kernel).
 `--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store
@@ -36,6 +41,7 @@ from bench.gpu.sections import Sections, script_parser
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import worker_metric
 
+TUNED = "kernel tuned:"  # the line kernels/selection.py logs when it tunes a shape
 ROW_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")
@@ -79,7 +85,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
     from bench.loadgen.cli import run as bench_run
     from bench.loadgen.serve import written_runs
 
-    kvstore, engine_extra, worker_extra, env = MESHES[name]
+    kvstore, engine_extra, worker_extra, env = MESHES[kind_of(name)]
     spec = MeshSpec(model=str(folder), workers=1, port=0, kvstore=kvstore,
                     engine_argv=engine_argv(device) + engine_extra,
                     worker_argv=worker_extra, env=env)  # fmt: skip
@@ -98,6 +104,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
             "--result-filename", f"{name}-warmup.json",
         ])  # fmt: skip
         before = _written(mesh)
+        tunings = _log_lines(mesh, TUNED)
         start = time.monotonic()
         sampled = ["worker-0", "gateway", "scheduler"] + (["kvstore"] if kvstore else [])
         expected = sum(
@@ -116,6 +123,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
             ])  # fmt: skip
             seconds = time.monotonic() - start
             after = _written(mesh)
+            tunings = _log_lines(mesh, TUNED) - tunings
     finally:
         mesh.stop()
     runs = written_runs(out_dir, name)
@@ -131,6 +139,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
         "shared_dropped_by_reason": {r: after[r] - before[r] for r in DROP_REASONS},
         "host_bytes_to_host": after["to_host"],
         "put_failures_in_logs": _log_lines(mesh, "put failed"),
+        "kernel_tunings": tunings,
     } | ({"profile": profiler.top(40)} if profiler else {})
 
 
@@ -151,6 +160,38 @@ def _log_lines(mesh: Mesh, needle: str) -> int:
     for path in mesh.log_dir.glob("*.log"):
         count += sum(needle in line for line in path.read_text(errors="replace").splitlines())
     return count
+
+
+def kind_of(name: str) -> str:
+    """The mesh a run name stands for: `default_2` (its second run) is `default`."""
+    base, _, count = name.rpartition("_")
+    return base if base in MESHES and count.isdigit() else name
+
+
+def run_names(meshes: list[str]) -> list[str]:
+    """Each mesh of --meshes under its run name: a repeat is `name_2`, `name_3`, ..."""
+    seen: dict[str, int] = {}
+    names = []
+    for mesh in meshes:
+        seen[mesh] = seen.get(mesh, 0) + 1
+        names.append(mesh if seen[mesh] == 1 else f"{mesh}_{seen[mesh]}")
+    return names
+
+
+def pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(run, the bare run it is compared with): the bare run of the same round, the
+    n-th run of a mesh with the n-th bare run (or the last one, with fewer)."""
+    bares = [n for n in names if kind_of(n) == "bare"]
+    if not bares:
+        return []
+    out = []
+    for name in names:
+        if kind_of(name) == "bare":
+            continue
+        _, _, count = name.rpartition("_")
+        round_ = int(count) if name != kind_of(name) else 1
+        out.append((name, bares[min(round_, len(bares)) - 1]))
+    return out
 
 
 def ratio_key(name: str) -> str:
@@ -196,38 +237,41 @@ def main(argv: list[str] | None = None) -> dict:
         section("ceilings", lambda: ceilings.measure(device))
         folder, _ = preset_folder(section.tmp, load.preset)
         runs = {}
-        for name in meshes:
+        names = run_names(meshes)
+        for name in names:
             runs[name] = section(
                 name, lambda name=name: sweep(load, folder, device, out_dir, name, args.profile)
             )
-        bare = runs.get("bare") or {}
-        for name, run in runs.items():
-            if name != "bare" and "rows" in (run or {}) and "rows" in bare:
+        for name, bare_name in pairs(names):
+            run, bare = runs.get(name) or {}, runs.get(bare_name) or {}
+            if "rows" in run and "rows" in bare:
                 section.results[ratio_key(name)] = ratios(run, bare)
-        print_table(section.results)
+        section.results["compared_with"] = dict(pairs(names))
+        print_table(section.results, names)
         return section.results
 
 
-def print_table(results: dict) -> None:
+def print_table(results: dict, names: list[str]) -> None:
     print("| mesh | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | TPOT p99 |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in MESHES:
+    for name in names:
         for r in (results.get(name) or {}).get("rows", []):
             print(f"| {name} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
                   f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
                   f"{r['p99_ttft_ms']:.1f} | {r['p99_tpot_ms']:.2f} |")  # fmt: skip
-    for name in MESHES:
+    for name in names:
         r = results.get(name) or {}
         if "rows" in r:
             print(f"{name}: shared tier written {r['shared_written_bytes_per_s'] / 1e6:.1f} MB/s, "
                   f"dropped {r['shared_dropped_blocks']:.0f} blocks "
                   f"{json.dumps(r.get('shared_dropped_by_reason', {}))}, to host "
                   f"{r['host_bytes_to_host'] / 1e6:.0f} MB, 'put failed' lines "
-                  f"{r['put_failures_in_logs']}, start {r['start_seconds']:.0f} s")  # fmt: skip
-    for name in MESHES:
+                  f"{r['put_failures_in_logs']}, kernels tuned in the sweep "
+                  f"{r.get('kernel_tunings')}, start {r['start_seconds']:.0f} s")  # fmt: skip
+    for name, bare in results.get("compared_with", {}).items():
         for row in results.get(ratio_key(name), []):
             cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
-            print(f"rate {row['request_rate']}: {name} / bare: {cells}")
+            print(f"rate {row['request_rate']}: {name} / {bare}: {cells}")
 
 
 if __name__ == "__main__":
