@@ -157,6 +157,11 @@ def test_a_new_worker_copies_lent_blocks_straight_to_its_device(memory_mesh, ref
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 112
     # lent by the store's memory tier, copied into device blocks: none went to the host tier
     assert lent_tokens(memory_mesh, "lent") == 112 and lent_tokens(memory_mesh, "copied") == 0
+    # the new worker's one prompt: checked against the shared tier, and blocks came
+    prefetches = worker_metric(memory_mesh, "yinian:kv_shared_prefetches_total")
+    assert sum(prefetches.values()) == 1
+    assert sum(worker_metric(memory_mesh, "yinian:kv_shared_prefetches_total",
+                             where='outcome="filled"').values()) == 1  # fmt: skip
     # and the engine counted them as device hits (its gauges follow its load reports)
     wait_until(lambda: sum(worker_metric(memory_mesh, "yinian:prefix_cache_hit_tokens",
                                          where='tier="gpu"').values()) >= 112,

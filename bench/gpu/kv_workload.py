@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.loadgen.cli import run as bench_run
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import worker_metric
+from yinian.mesh_probe import scrape, worker_metric
 
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -87,8 +87,40 @@ def _tiers(mesh: Mesh) -> dict:
     hits = {"gpu": total("yinian:prefix_cache_hit_tokens", 'tier="gpu"') - lent,
             "host": total("yinian:prefix_cache_hit_tokens", 'tier="host"') - copied,
             "shared": lent + copied, "shared_lent": lent}  # fmt: skip
-    return {"queried_tokens": queried, "hit_tokens": hits,
-            "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()}}  # fmt: skip
+    dropped = "yinian:kv_shared_dropped_blocks_total"
+    shared = {
+        "written_bytes": total("yinian:kv_shared_bytes_total", 'direction="out"'),
+        "dropped_blocks": total(dropped),
+    } | {
+        f"dropped_{r}": total(dropped, f'reason="{r}"')
+        for r in ("queue_full", "not_local", "store")
+    }
+    prefetches = {o: total("yinian:kv_shared_prefetches_total", f'outcome="{o}"')
+                  for o in ("not_indexed", "local", "filled", "missed")}  # fmt: skip
+    return {"queried_tokens": queried, "hit_tokens": hits, "shared_prefetches": prefetches,
+            "store": _store(mesh),
+            "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()},
+            "shared_writes": shared,
+            "host_bytes_to_host": total("yinian:host_kv_bytes", 'direction="to_host"')}  # fmt: skip
+
+
+def _store(mesh: Mesh) -> dict:
+    """What the KV store's metrics say it did: blocks in its memory tier, lookups and
+    gets hit or missed, puts refused, evictions and spills (by label)."""
+    url = mesh.metrics_endpoints().get("kvstore")
+    if url is None:
+        return {}
+    out = {"memory_blocks": scrape(url, "yinian:kvstore_memory_blocks")}
+    for name, label, values in (
+        ("lookup_blocks_total", "result", ("hit", "miss")),
+        ("get_blocks_total", "result", ("hit", "miss")),
+        ("bytes_total", "direction", ("in", "out")),
+    ):
+        for value in values:
+            out[f"{name}_{value}"] = scrape(url, f"yinian:kvstore_{name}", f'{label}="{value}"')
+    for name in ("rejected_puts_total", "evictions_total", "spilled_blocks_total"):
+        out[name] = scrape(url, f"yinian:kvstore_{name}")
+    return out
 
 
 def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,

@@ -154,6 +154,15 @@ KV_SHARED_FETCHED_TOKENS = Counter(
     ["worker", "path"],
     registry=WORKER,
 )
+KV_SHARED_PREFETCHES = Counter(
+    "yinian:kv_shared_prefetches",
+    "Prompts checked against the shared tier before they run, by outcome: not_indexed "
+    "(its events say it holds none of the prompt's blocks), local (this worker holds "
+    "all it holds), filled (blocks came), missed (asked, none came: not there any more, "
+    "no room, or the copy was late)",
+    ["worker", "outcome"],
+    registry=WORKER,
+)
 KV_STORE_MEMORY_MAPPED = Gauge(
     "yinian:kv_store_memory_mapped",
     "1 once the KV store's memory tier is mapped (and pinned) here: its blocks are lent "

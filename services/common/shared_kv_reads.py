@@ -67,11 +67,11 @@ class SharedKvReads:
             # prompt the tier cannot extend costs no call to the store, nor a wait for
             # the engine's next step.
             if not self.index.holds_any(SHARED_HOLDER, SHARED, hashes):
-                return 0
+                return self._outcome("not_indexed")
             local = self.link.engine.peek_cached_prefix(hashes)
             indexed = self.index.matched_blocks(SHARED_HOLDER, hashes, (SHARED,))
             if indexed <= local:
-                return 0
+                return self._outcome("local")
         else:
             local = None
         lent = copied = 0
@@ -83,6 +83,7 @@ class SharedKvReads:
         if self.link.engine.facts.has_host_tier and (indexed is None or indexed > local):
             copied = await self._copy_in(prompt_ids, hashes, local, tenant, public_tokens)
         filled = lent + copied
+        self._outcome("filled" if filled else "missed")
         seconds = time.monotonic() - start
         self.link.stats.fetched_blocks += filled
         self.link.stats.lent_blocks += lent
@@ -97,6 +98,10 @@ class SharedKvReads:
         )
         metrics.KV_SHARED_FETCH_SECONDS.observe(seconds)
         return filled * self.link.block_size
+
+    def _outcome(self, outcome: str) -> int:
+        metrics.KV_SHARED_PREFETCHES.labels(worker=self.link.worker_id, outcome=outcome).inc()
+        return 0
 
     async def _copy_in(self, prompt_ids, hashes: list[int], local: int | None, tenant: str,
                        public_tokens: int) -> int:  # fmt: skip
