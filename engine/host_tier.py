@@ -98,7 +98,13 @@ class HostTier:
         returns how many copies started."""
         pairs = []
         for block in blocks:
-            if block.block_hash is None or self.pool.contains(block.block_hash):
+            if block.block_hash is None:
+                continue
+            if self.pool.contains(block.block_hash):
+                # used again: its host copy moves to the back of the LRU like any
+                # reuse (a conversation's head, reused at every turn, must not age out
+                # behind blocks nobody read twice)
+                self.pool.lookup(block.block_hash)
                 continue
             slot = self.pool.begin_store(block.block_hash)
             if slot is None:

@@ -203,6 +203,27 @@ def test_multi_turn_waits_for_the_previous_turn(server, tok_dir, tmp_path):
     assert sorted(len(b["messages"]) for b in server.stats.bodies) == [2, 2, 4, 4, 6, 6]
 
 
+def test_max_active_conversations_lets_a_user_finish_before_the_next_starts(
+    server, tok_dir, tmp_path
+):
+    server.configure(first_token_s=0.02, interval_s=0.005, num_tokens=4)
+    rc, r = bench(
+        server, tok_dir, tmp_path, "--dataset-name", "multi-turn", "--num-prompts", "9",
+        "--multi-turn-num-turns", "3", "--multi-turn-system-len", "16",
+        "--multi-turn-user-len", "4", "--multi-turn-output-len", "4",
+        "--max-active-conversations", "2", "--num-warmups", "0", "--no-plots",
+    )  # fmt: skip
+    assert rc == 0 and r["completed"] == 9
+    spans = {}
+    for cid, start, e2el in zip(r["conversation_ids"], r["start_times"], r["e2els"]):
+        first, last = spans.get(cid, (math.inf, 0.0))
+        spans[cid] = (min(first, start), max(last, start + e2el))
+    # users 0 and 1 at once; user 2 only once one of them has sent its third turn
+    assert spans[2][0] >= min(spans[0][1], spans[1][1])
+    assert spans[1][0] < spans[0][1]
+    assert r["max_concurrent_requests"] == 2
+
+
 def test_sharegpt_first_two_turns_and_vllm_filters(tok, tmp_path):
     long = " ".join(["word"] * 1200)
     data = [

@@ -58,6 +58,30 @@ def test_failed_store_leaves_an_empty_slot_used_first():
     assert b == a
 
 
+def test_a_prefix_reused_on_the_device_keeps_its_host_copy_fresh(model_dir):
+    # A conversation's head is reused from the device at every turn; its host copy,
+    # made once, must not age out behind blocks nobody read twice.
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm = LLM(model_dir("tiny-llama"), device="cpu", dtype="float32", num_gpu_blocks=40,
+              host_kv_cache_gb=24 * 8192 / (1 << 30))  # fmt: skip
+    host = llm.engine.tiers.host
+    assert host.pool.num_blocks == 24
+
+    def run(batch):
+        llm.generate(batch, one)
+        llm.engine.housekeeping()  # the freed blocks' backups
+
+    head = prompts(1, 65, seed=3)[0]  # 4 full blocks, then one token to compute
+    first = hash_prompt_blocks(head, 16, "")[0]
+    run([head])
+    run(prompts(4, 65, seed=10))  # 16 blocks more: the head's copies are the oldest
+    hits = llm.get_stats()["prefix_cache_hit_tokens"]
+    run([head])  # from the device: its copies are used again
+    assert llm.get_stats()["prefix_cache_hit_tokens"] - hits == 64
+    run(prompts(2, 65, seed=20))  # 8 blocks more through the 24-slot tier
+    assert host.pool.holds(first)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_host_hits_give_the_outputs_of_recomputing(model_dir, async_scheduling):
     folder = model_dir("tiny-llama")

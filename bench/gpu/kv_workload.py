@@ -32,6 +32,10 @@ class Workload:
     output_len: int
     concurrency: int  # conversations in flight (each one turn at a time)
     workers: int = 1
+    # conversations under way at most (a user's turns come back to back, a new user
+    # starting when one is done); None: every first turn before any second turn, which
+    # asks the tiers to hold every conversation's history at once
+    active_conversations: int | None = None
 
 
 class _Sampler:
@@ -67,6 +71,8 @@ def _serve(mesh: Mesh, folder, model: str, w: Workload, out_dir: Path, name: str
         "--multi-turn-num-turns", str(w.turns), "--multi-turn-system-len", str(w.system_len),
         "--multi-turn-user-len", str(w.user_len), "--multi-turn-output-len", str(w.output_len),
         "--prompt-format", "ids", "--max-concurrency", str(w.concurrency),
+        *(["--max-active-conversations", str(w.active_conversations)]
+          if w.active_conversations else []),
         "--request-rate", "inf", "--num-warmups", "0", "--disable-tqdm", "--no-plots",
         "--result-dir", str(out_dir), "--result-filename", f"workload-{name}",
     ])  # fmt: skip
@@ -124,7 +130,8 @@ def _store(mesh: Mesh) -> dict:
 
 
 def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,
-                 runs: list[str] = ("off", "on"), earlier: dict | None = None) -> dict:  # fmt: skip
+                 runs: list[str] = ("off", "on"), earlier: dict | None = None,
+                 kvstore_argv: list[str] = ()) -> dict:  # fmt: skip
     """The runs named in `runs`; `earlier`: the `yinian bench serve` result of the other
     run of the same workload, made by an earlier call (one call may not have time for
     both), whose figures and texts stand in for that run's (its tiers are not known)."""
@@ -139,7 +146,8 @@ def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,
             continue
         spec = MeshSpec(model=str(folder), workers=w.workers, port=0, kvstore=store,
                         engine_argv=engine_argv_of(store),
-                        worker_argv=["--kv-write-through", "all"] if store else [])  # fmt: skip
+                        worker_argv=["--kv-write-through", "all"] if store else [],
+                        kvstore_argv=list(kvstore_argv))  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)
         try:
             sampler = _Sampler(mesh, "yinian:kv_fragmentation_ratio")

@@ -4,7 +4,10 @@ to first token with its prefix in each tier, and a multi-turn workload through
 
 On the GPU: llama3-8b (bf16, dummy weights), an 8k-token prefix, the workload on
 two workers (200 conversations of 5 turns, histories growing to about 8k tokens,
-32 in flight: near saturation; each device pool holds a fraction of them). With
+32 in flight: near saturation; each device pool holds a fraction of them), 32
+conversations under way at a time (a user's turns back to back: every first turn
+before any second turn would ask the tiers to hold all 200 histories at once,
+about 160 GiB of llama3-8b KV by the fifth turn, more than the host's memory). With
 `--device cpu` the same on tiny-llama: a dry run at tiny sizes, or, with
 `--conversations 200 --turns 5`, the CPU acceptance run (histories growing to
 about 2k tokens).
@@ -52,10 +55,12 @@ class Setup:
 
 GPU = Setup("llama3-8b", "bfloat16", 8192, 2048, 16.0, 512,
             Workload(conversations=200, turns=5, system_len=512, user_len=1400,
-                     output_len=128, concurrency=32, workers=2))  # fmt: skip
+                     output_len=128, concurrency=32, workers=2,
+                     active_conversations=32))  # fmt: skip
 DRY = Setup("tiny-llama", "float32", 400, 96, 0.02, 64,
             Workload(conversations=6, turns=3, system_len=64, user_len=40,
-                     output_len=8, concurrency=3, workers=2))  # fmt: skip
+                     output_len=8, concurrency=3, workers=2,
+                     active_conversations=3))  # fmt: skip
 CPU_FULL = Workload(conversations=200, turns=5, system_len=400, user_len=300,
                     output_len=16, concurrency=8, workers=1)  # fmt: skip
 

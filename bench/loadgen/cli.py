@@ -150,6 +150,8 @@ def _serve(args) -> int:
         info["seeds"] = [args.seed + i for i in range(len(rates))]
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if args.max_active_conversations is not None and args.max_active_conversations < 1:
+        raise ValueError("--max-active-conversations must be >= 1")
     chat = args.backend == "openai-chat" or "chat/completions" in (args.endpoint or "")
     cfg = ServeConfig(
         base_url=base_url,
@@ -160,6 +162,7 @@ def _serve(args) -> int:
         request_rates=rates,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        max_active_conversations=args.max_active_conversations,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
@@ -269,6 +272,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int,
                    help="requests in flight at most (default: no limit)")  # fmt: skip
+    g.add_argument("--max-active-conversations", type=int,
+                   help="multi-turn: conversations under way at most, a new one starting when "
+                   "one has finished its last turn (default: no limit, so every "
+                   "conversation's first turn is sent before any second turn)")  # fmt: skip
     g.add_argument("--num-warmups", type=int, default=1,
                    help="requests sent and not counted before the first rate")  # fmt: skip
     g.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")

@@ -4,7 +4,10 @@ Requests are sent on a seeded arrival schedule: all at once for rate inf,
 else gaps drawn from a gamma distribution with shape `burstiness` and mean
 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
 in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
-multi-turn request waits for its conversation's previous turn to finish.
+multi-turn request waits for its conversation's previous turn to finish;
+`max_active_conversations` caps the conversations under way (one starts when
+one has sent its last turn), so that its users come back while their history
+is fresh, instead of every user's first turn before any second turn.
 A sweep repeats the run at each rate of `request_rates`, each on its own list
 of requests.
 
@@ -44,6 +47,7 @@ class ServeConfig:
     request_rates: list[float] = field(default_factory=lambda: [math.inf])
     burstiness: float = 1.0
     max_concurrency: int | None = None
+    max_active_conversations: int | None = None  # multi-turn: conversations under way
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0
@@ -102,14 +106,26 @@ async def run_load(
         if r.conversation_id is not None
     }
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    active = (
+        asyncio.Semaphore(cfg.max_active_conversations) if cfg.max_active_conversations else None
+    )
+    last_turn: dict[int, int] = {}
+    started: set[int] = set()  # conversations holding a place in `active`
+    for r in requests:
+        if r.conversation_id is not None:
+            last_turn[r.conversation_id] = max(last_turn.get(r.conversation_id, 0), r.turn)
     bar = tqdm(total=len(requests), desc=f"rate {rate:g}", disable=cfg.disable_tqdm)
 
     async def one(client, req: BenchRequest, inp: RequestInput) -> RequestResult:
         key = (req.conversation_id, req.turn)
+        conversation = active is not None and key in turn_done
         try:
             before = turn_done.get((req.conversation_id, req.turn - 1))
             if before is not None:
                 await before.wait()  # the previous turn of this conversation finished
+            elif conversation:
+                await active.acquire()  # its first turn: a conversation starts
+                started.add(req.conversation_id)
             if gate is None:
                 return await send_request(client, inp)
             async with gate:
@@ -117,6 +133,10 @@ async def run_load(
         finally:
             if key in turn_done:
                 turn_done[key].set()  # even on failure, so the conversation goes on
+                cid = req.conversation_id
+                if conversation and req.turn == last_turn[cid] and cid in started:
+                    started.discard(cid)
+                    active.release()  # its last turn is done: the next one may start
             bar.update(1)
 
     async with make_client(cfg.timeout_s, cfg.max_concurrency) as client:
