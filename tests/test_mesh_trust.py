@@ -96,3 +96,69 @@ def test_nats_refuses_a_client_without_the_mesh_password(guarded_mesh):
     with pytest.raises(Exception, match="(?i)authorization"):
         asyncio.run(_connect(bare))
     asyncio.run(_connect(guarded_mesh.nats_url))
+
+
+def test_a_workers_nats_login_speaks_only_for_that_worker(guarded_mesh):
+    own = guarded_mesh.service_nats_urls["worker-0"]
+    assert own != guarded_mesh.nats_url and "worker-0:" in own
+    heard, errors = asyncio.run(_speak_for_others(guarded_mesh.nats_url, own))
+    assert "yinian.load.worker-1" not in heard and "yinian.register.worker-0" not in heard
+    assert "yinian.load.worker-0" in heard  # its own subject: heard
+    assert len([e for e in errors if "permissions violation" in e.lower()]) == 2, errors
+
+
+async def _speak_for_others(operator_url: str, worker_url: str) -> tuple[list[str], list[str]]:
+    heard, errors = [], []
+
+    async def on_message(msg) -> None:
+        heard.append(msg.subject)
+
+    async def on_error(exc) -> None:
+        errors.append(str(exc))
+
+    listener = await nats.connect(operator_url, connect_timeout=5)
+    await listener.subscribe("yinian.>", cb=on_message)
+    await listener.flush()
+    worker = await nats.connect(worker_url, connect_timeout=5, error_cb=on_error)
+    report = common_pb2.LoadReport(worker_id="worker-1").SerializeToString()
+    await worker.publish("yinian.load.worker-1", report)  # another worker's subject
+    await worker.publish("yinian.register.worker-0", b"")  # only the scheduler asks that
+    await worker.publish("yinian.load.worker-0", common_pb2.LoadReport(worker_id="worker-0")
+                         .SerializeToString())  # fmt: skip
+    await worker.flush()
+    for _ in range(100):  # the server answers each refused publish with an error
+        if len(errors) >= 2 and "yinian.load.worker-0" in heard:
+            break
+        await asyncio.sleep(0.05)
+    await worker.close()
+    await listener.close()
+    return heard, errors
+
+
+def test_a_message_speaking_for_another_service_than_its_subject_is_dropped(guarded_mesh):
+    assert asyncio.run(_claims(guarded_mesh.nats_url)) == ["probe-a"]
+
+
+async def _claims(url: str) -> list[str]:
+    from services.common.bus import EventBus, load_subject
+
+    got = []
+    bus = EventBus(url, "probe")
+    await bus.connect()
+    await bus.subscribe(
+        load_subject(),
+        common_pb2.LoadReport,
+        lambda m, _h: got.append(m.worker_id),
+        lambda m: load_subject(m.worker_id),
+    )  # as the scheduler does
+    await bus.nc.flush()
+    # on probe-a's subject, one report for probe-b, then one for probe-a: in order on one
+    # connection, so once the second is in, the first was dropped, not late
+    for worker_id in ("probe-b", "probe-a"):
+        await bus.publish(load_subject("probe-a"), common_pb2.LoadReport(worker_id=worker_id))
+    for _ in range(100):
+        if "probe-a" in got:
+            break
+        await asyncio.sleep(0.05)
+    await bus.close()
+    return [w for w in got if w.startswith("probe")]  # the mesh's worker reports too

@@ -32,6 +32,7 @@ from services.common.processes import (
 )
 from services.common.tls import TlsFiles
 from services.kvstore import block_key
+from yinian import nats_users
 from yinian.children import Child, StartCancelled, launch, wait_ready
 
 INFRASTRUCTURE = ("nats", "redis")  # stopped after the services, which talk to them
@@ -82,6 +83,9 @@ class Mesh:
         self.spec = spec
         self.children: list[Child] = []
         self.nats_url = spec.nats_url
+        # each service's own NATS URL (its login: yinian/nats_users.py), when the mesh
+        # starts its NATS with logins; the others use `nats_url`
+        self.service_nats_urls: dict[str, str] = {}
         # the key tagging the mesh's blocks in Redis: one per mesh, kept by the store's
         # restarts, unless one is given
         self.block_key = (spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
@@ -124,8 +128,9 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
-        if self.nats_url:  # with its password: by environment, never on a command line
-            env["YINIAN_NATS_URL"] = self.nats_url
+        nats_url = self.service_nats_urls.get(name, self.nats_url)
+        if nats_url:  # with its password: by environment, never on a command line
+            env["YINIAN_NATS_URL"] = nats_url
         if self.spec.insecure_internal:
             env.pop(mesh_token.ENV, None)
         else:  # one token per process: its meshes, and this process's own calls to them
@@ -160,10 +165,12 @@ class Mesh:
     def _start_nats(self) -> Child:
         # -p -1: any free port, which its "Listening ... on HOST:PORT" line names
         command = [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1"]
-        if not self.spec.insecure_internal:  # a user and password, in a file only we read
-            self._nats_password = secrets.token_urlsafe(24)
-            conf = _private_file(self.log_dir / "nats.conf", "authorization { user: \"yinian\", "
-                                 f"password: \"{self._nats_password}\" }}\n")  # fmt: skip
+        if not self.spec.insecure_internal:  # logins, in a file only we read
+            self._nats_logins = [nats_users.operator_login()] + [
+                nats_users.service_login(name) for name in self.service_names()
+            ]
+            conf = _private_file(self.log_dir / "nats.conf",
+                                 nats_users.server_config(self._nats_logins))  # fmt: skip
             command += ["-c", str(conf)]
         listening = lambda line: "Listening for client" in line  # noqa: E731
         return self._add(launch("nats", command, dict(os.environ), self.log_dir / "nats.log",
@@ -185,6 +192,21 @@ class Mesh:
         return self._add(launch("redis", command, redis_env(),
                                 self.log_dir / "redis.log",
                                 says_ready=lambda line: "Ready to accept" in line))  # fmt: skip
+
+    def _placed(self) -> list[tuple[str, str, str, int]]:
+        """(name prefix, role, service module, index) of each worker the spec asks for."""
+        roles = [
+            ("worker", "colocated", "decode", self.spec.workers),
+            ("prefill", "prefill", "prefill", self.spec.prefill),
+            ("decode", "decode", "decode", self.spec.decode),
+        ]
+        return [(p, role, m, i) for p, role, m, count in roles for i in range(count)]
+
+    def service_names(self) -> list[str]:
+        """The services of this mesh that speak on NATS, by the names it gives them."""
+        return (["scheduler"] + (["kvstore"] if self.spec.kvstore else [])
+                + [f"{prefix}-{i}" for prefix, _, _, i in self._placed()]
+                + [f"expert-{i}" for i in range(self.spec.experts)])  # fmt: skip
 
     def worker_args(self, worker_id: str, role: str) -> list[str]:
         """Flags of a worker: the prefill service has one role; the decode service
@@ -219,8 +241,14 @@ class Mesh:
                 nats = self._start_nats()
                 wait_ready([nats], deadline, cancel)
                 port = _pin(nats, "-p", nats.ready_line.rsplit(":", 1)[-1])
-                login = "" if self.spec.insecure_internal else f"yinian:{self._nats_password}@"
-                self.nats_url = f"nats://{login}127.0.0.1:{port}"
+                address = f"127.0.0.1:{port}"
+                self.nats_url = f"nats://{address}"
+                if not self.spec.insecure_internal:
+                    operator, *services = self._nats_logins
+                    self.nats_url = nats_users.url_of(operator, address)
+                    self.service_nats_urls = {
+                        login.user: nats_users.url_of(login, address) for login in services
+                    }
             # Every service binds any free port and names it in its ready line: no port is
             # picked here and released for a child to take (another process may take it
             # first). A restart is pinned to the port its first start bound.
@@ -237,12 +265,7 @@ class Mesh:
             self.scheduler_address = _bound_address(scheduler)
             if self.spec.kvstore:
                 self.kvstore_address = _bound_address(started[-1])
-            roles = [
-                ("worker", "colocated", "decode", self.spec.workers),
-                ("prefill", "prefill", "prefill", self.spec.prefill),
-                ("decode", "decode", "decode", self.spec.decode),
-            ]
-            placed = [(p, role, m, i) for p, role, m, count in roles for i in range(count)]
+            placed = self._placed()
             workers = [
                 self._spawn(
                     f"{prefix}-{i}",

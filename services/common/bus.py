@@ -79,13 +79,24 @@ class EventBus:
         subject: str,
         message_type: type[Message],
         handler: Callable[[Message, dict], Awaitable[None] | None],
+        subject_of: Callable[[Message], str] | None = None,
     ) -> None:
+        """Calls `handler` with each message on `subject`; with `subject_of` (the subject
+        a message must come on, from what it says: its worker's own subject, say), one
+        that names another service than its subject does is dropped and logged: a
+        login may publish on its own subjects only, so a message can speak only for
+        its sender."""
+
         async def on_message(msg) -> None:
             parsed = message_type()
             try:
                 parsed.ParseFromString(msg.data)
             except Exception:
                 logger.warning("dropping malformed message on %s", msg.subject)
+                return
+            if subject_of is not None and subject_of(parsed) != msg.subject:
+                logger.warning("dropping a message on %s that speaks for %s", msg.subject,
+                               subject_of(parsed))  # fmt: skip
                 return
             result = handler(parsed, msg.headers or {})
             if asyncio.iscoroutine(result):

@@ -72,8 +72,10 @@ class EventHandlers:
         """Subscribes to workers' KV events and load reports, then asks every worker
         for a reset batch (so the index survives a restart) before subscribing to
         resync requests (so the store never hears its own)."""
-        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv)
-        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load)
+        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv,
+                                 lambda m: kv_subject(m.worker_id))  # fmt: skip
+        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load,
+                                 lambda m: load_subject(m.worker_id))  # fmt: skip
         await self.bus.publish(KV_RESYNC_SUBJECT, common_pb2.KvResync(reason="kv store started"))
         await self.bus.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync, self.on_resync)
 

@@ -84,8 +84,10 @@ class EventHandlers:
             )
 
     async def listen(self) -> None:
-        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load)
-        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv)
+        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load,
+                                 lambda m: load_subject(m.worker_id))  # fmt: skip
+        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv,
+                                 lambda m: kv_subject(m.worker_id))  # fmt: skip
         await self.bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, self.on_shared)
 
 

@@ -38,7 +38,8 @@ class ExpertPlane:
         def on_load(report: expert_pb2.ExpertLoad, headers) -> None:
             self.balancer.on_load(report)
 
-        await bus.subscribe(expert_load_subject(), expert_pb2.ExpertLoad, on_load)
+        await bus.subscribe(expert_load_subject(), expert_pb2.ExpertLoad, on_load,
+                            lambda m: expert_load_subject(m.expert_id))  # fmt: skip
 
     async def tick(self, bus_connected: bool = True) -> None:
         if not bus_connected:
