@@ -20,6 +20,7 @@ from kvstore_process import NatsRecorder
 from test_hf_parity import random_prompts
 
 from basis.block_hash import hash_prompt_blocks
+from basis.urls import without_login
 from engine import LLM, SamplingParams
 from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
@@ -255,6 +256,21 @@ def test_damaged_blocks_are_caught_and_recomputed(mesh, reference, damage):
 
 def _fields(fp: Fingerprint) -> dict:
     return {name: getattr(fp, name) for name in fp.__dataclass_fields__}
+
+
+def test_the_stores_redis_login_reaches_its_own_keys_only(mesh):
+    owner = redis.Redis.from_url(mesh.redis_url)  # the mesh owner's login: every key
+    owner.set("yinian:ratelimit:{t}:probe", b"1")
+    store = redis.Redis.from_url(mesh.kvstore_redis_url)
+    assert store.set("yinian:kv:probe", b"1") and store.get("yinian:kv:probe") == b"1"
+    for call in (lambda: store.get("yinian:ratelimit:{t}:probe"), store.flushall,
+                 lambda: store.config_get("maxmemory"), lambda: store.keys("*")):  # fmt: skip
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            call()
+    with pytest.raises(redis.exceptions.AuthenticationError):  # no anonymous user
+        redis.Redis.from_url(without_login(mesh.redis_url)).ping()
+    assert owner.get("yinian:ratelimit:{t}:probe") == b"1"
+    owner.delete("yinian:ratelimit:{t}:probe", "yinian:kv:probe")
 
 
 def test_the_store_answers_no_stranger(mesh):

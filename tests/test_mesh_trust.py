@@ -162,3 +162,20 @@ async def _claims(url: str) -> list[str]:
         await asyncio.sleep(0.05)
     await bus.close()
     return [w for w in got if w.startswith("probe")]  # the mesh's worker reports too
+
+
+def test_the_stores_redis_warnings_never_show_its_password(caplog):
+    from services.common.processes import free_port
+    from services.kvstore.redis_guard import RedisGuard, TierUnavailable
+
+    guard = RedisGuard(f"redis://kvstore:s3cret-pass@127.0.0.1:{free_port()}/0", timeout=0.2)
+
+    async def ping():
+        with pytest.raises(TierUnavailable):  # nothing listens there
+            await guard.call("ping", guard.client.ping)
+        await guard.client.aclose()
+
+    asyncio.run(ping())
+    warned = [r.getMessage() for r in caplog.records if "Redis at" in r.getMessage()]
+    assert warned and "127.0.0.1" in warned[0]
+    assert not any("s3cret" in line for line in warned)

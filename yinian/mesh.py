@@ -90,7 +90,8 @@ class Mesh:
         # restarts, unless one is given
         self.block_key = (spec.env.get(block_key.ENV) or os.environ.get(block_key.ENV)
                           or block_key.new_key())  # fmt: skip
-        self.redis_url = spec.redis_url
+        self.redis_url = spec.redis_url  # the mesh owner's login, on a Redis it starts
+        self.kvstore_redis_url: str | None = None  # the KV store's own login there
         self.gateway_ports: list[tuple[int, int]] = []  # (REST, gRPC) of each gateway
         self.kvstore_address = ""
         self.scheduler_address = ""
@@ -184,10 +185,11 @@ class Mesh:
         data_dir = tempfile.mkdtemp(prefix="yinian-redis-", dir=self.log_dir)
         conf = None
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        if not self.spec.insecure_internal:  # a password, in a file only we read
-            password = secrets.token_urlsafe(24)
-            conf = _private_file(Path(data_dir) / "redis.conf", f"requirepass {password}\n")
-            self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        if not self.spec.insecure_internal:  # ACL users, in a file only we read
+            operator, store = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+            conf = _private_file(Path(data_dir) / "redis.conf", redis_users(operator, store))
+            self.redis_url = f"redis://yinian:{operator}@127.0.0.1:{port}/0"
+            self.kvstore_redis_url = f"redis://kvstore:{store}@127.0.0.1:{port}/0"
         command = redis_command(binary, port, data_dir, config=str(conf) if conf else None)
         return self._add(launch("redis", command, redis_env(),
                                 self.log_dir / "redis.log",
@@ -318,7 +320,8 @@ class Mesh:
             else:
                 wait_ready([redis], deadline, cancel)
         argv = ["--host", self.spec.host, "--port", "0"]
-        extra = {"YINIAN_REDIS_URL": self.redis_url} if self.redis_url else {}
+        store_url = self.kvstore_redis_url or self.redis_url  # its own login, if it has one
+        extra = {"YINIAN_REDIS_URL": store_url} if self.redis_url else {}
         if "--memory-tier-bytes" not in self.spec.kvstore_argv:
             argv += ["--memory-tier-bytes", str(default_store_memory_bytes())]
         return self._spawn("kvstore", "services.kvstore", [*argv, *self.spec.kvstore_argv],
@@ -387,6 +390,17 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def redis_users(operator: str, store: str) -> str:
+    """The ACL of the Redis `yinian up` starts: no anonymous user; the mesh's owner
+    (tools, tests) with every key; the KV store with its own keys (`yinian:kv:*`)
+    and no administrative command (no FLUSHALL, CONFIG, KEYS, DEBUG, ...)."""
+    return (
+        "user default off\n"
+        f"user yinian on >{operator} ~* &* +@all\n"
+        f"user kvstore on >{store} ~yinian:kv:* &* +@all -@dangerous\n"
+    )
 
 
 def _private_file(path: Path, text: str) -> Path:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from basis.flags import DefaultsFormatter, add_flags, from_args
+from basis.urls import without_login
 from engine.cli_args import add_engine_args, engine_argv, engine_options
 from services.common.entry import StartupError
 from services.common.tls import TlsSettings
@@ -179,8 +180,7 @@ def kv_line(mesh: Mesh) -> str:
 
 def shown(url: str) -> str:
     """A URL without its user and password (the banner is not where secrets go)."""
-    head, sep, rest = url.partition("://")
-    return f"{head}{sep}{rest.rsplit('@', 1)[-1]}" if sep else url
+    return without_login(url)
 
 
 def run_up(args) -> int:

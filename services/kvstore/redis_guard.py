@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from basis.urls import without_login
 from services.common import metrics
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class RedisGuard:
                 url, max_connections=max_connections, timeout=timeout, **options
             )
             self.client = aioredis.Redis(connection_pool=pool)
-        self.url = url
+        self.url = without_login(url)  # what logs say: never its password
         self.timeout = timeout
         self.retry_after = retry_after
         self.clock = clock
