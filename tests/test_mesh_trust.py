@@ -101,6 +101,8 @@ def test_nats_refuses_a_client_without_the_mesh_password(guarded_mesh):
 def test_a_workers_nats_login_speaks_only_for_that_worker(guarded_mesh):
     own = guarded_mesh.service_nats_urls["worker-0"]
     assert own != guarded_mesh.nats_url and "worker-0:" in own
+    assert guarded_mesh.child("worker-0").env["YINIAN_NATS_URL"] == own
+    assert "YINIAN_NATS_URL" not in guarded_mesh.child("gateway").env  # it speaks no NATS
     heard, errors = asyncio.run(_speak_for_others(guarded_mesh.nats_url, own))
     assert "yinian.load.worker-1" not in heard and "yinian.register.worker-0" not in heard
     assert "yinian.load.worker-0" in heard  # its own subject: heard

@@ -129,7 +129,9 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
-        nats_url = self.service_nats_urls.get(name, self.nats_url)
+        # with logins, a service has its own or none (a gateway speaks no NATS: it must
+        # not hold the owner's login)
+        nats_url = self.service_nats_urls.get(name) if self.service_nats_urls else self.nats_url
         if nats_url:  # with its password: by environment, never on a command line
             env["YINIAN_NATS_URL"] = nats_url
         if self.spec.insecure_internal:
