@@ -183,14 +183,20 @@ def test_multi_turn_conversations_grow_turn_by_turn(tok):
             assert b.messages[: len(a.messages)] == a.messages
 
 
+def multi_turn(server, tok_dir, tmp_path, users: int, *flags: str):
+    """`bench serve` of `users` three-turn conversations (16-token system prompt, 4-token
+    user turns and replies)."""
+    return bench(
+        server, tok_dir, tmp_path, "--dataset-name", "multi-turn", "--num-prompts",
+        str(3 * users), "--multi-turn-num-turns", "3", "--multi-turn-system-len", "16",
+        "--multi-turn-user-len", "4", "--multi-turn-output-len", "4",
+        "--num-warmups", "0", "--no-plots", *flags,
+    )  # fmt: skip
+
+
 def test_multi_turn_waits_for_the_previous_turn(server, tok_dir, tmp_path):
     server.configure(first_token_s=0.03, interval_s=0.005, num_tokens=4)
-    rc, r = bench(
-        server, tok_dir, tmp_path, "--dataset-name", "multi-turn", "--num-prompts", "6",
-        "--multi-turn-num-turns", "3", "--multi-turn-system-len", "16",
-        "--multi-turn-user-len", "4", "--multi-turn-output-len", "4",
-        "--backend", "openai-chat", "--num-warmups", "0", "--no-plots",
-    )  # fmt: skip
+    rc, r = multi_turn(server, tok_dir, tmp_path, 2, "--backend", "openai-chat")
     assert rc == 0 and r["completed"] == 6 and r["max_concurrent_requests"] == 2
     ends = {}
     for cid, turn, start, e2el in zip(
@@ -207,12 +213,7 @@ def test_max_active_conversations_lets_a_user_finish_before_the_next_starts(
     server, tok_dir, tmp_path
 ):
     server.configure(first_token_s=0.02, interval_s=0.005, num_tokens=4)
-    rc, r = bench(
-        server, tok_dir, tmp_path, "--dataset-name", "multi-turn", "--num-prompts", "9",
-        "--multi-turn-num-turns", "3", "--multi-turn-system-len", "16",
-        "--multi-turn-user-len", "4", "--multi-turn-output-len", "4",
-        "--max-active-conversations", "2", "--num-warmups", "0", "--no-plots",
-    )  # fmt: skip
+    rc, r = multi_turn(server, tok_dir, tmp_path, 3, "--max-active-conversations", "2")
     assert rc == 0 and r["completed"] == 9
     spans = {}
     for cid, start, e2el in zip(r["conversation_ids"], r["start_times"], r["e2els"]):

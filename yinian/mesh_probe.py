@@ -40,7 +40,12 @@ def worker_metric(mesh, name: str, role: str | None = None, where: str = "") -> 
 def scrape(url: str, name: str, where: str = "", verify=True) -> float:
     """The sum of the samples of metric `name` (every label set containing `where`)
     at a /metrics URL."""
-    text = httpx.get(url, timeout=5, verify=verify).text
+    return sample_sum(httpx.get(url, timeout=5, verify=verify).text, name, where)
+
+
+def sample_sum(text: str, name: str, where: str = "") -> float:
+    """The sum of the samples of metric `name` (every label set containing `where`) in
+    a /metrics page's text."""
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()

@@ -175,12 +175,7 @@ def kv_line(mesh: Mesh) -> str:
         return "off (host tiers only)"
     if not mesh.redis_url:
         return f"{mesh.kvstore_address}, shared tier off (no redis-server; host tiers only)"
-    return f"{mesh.kvstore_address}, shared tier on {shown(mesh.redis_url)}"
-
-
-def shown(url: str) -> str:
-    """A URL without its user and password (the banner is not where secrets go)."""
-    return without_login(url)
+    return f"{mesh.kvstore_address}, shared tier on {without_login(mesh.redis_url)}"
 
 
 def run_up(args) -> int:
@@ -340,7 +335,7 @@ yinian is ready.
   REST (OpenAI):  {mesh.url}/v1
   health:         {mesh.url}/health/ready (a worker is ready)   {mesh.url}/health/live
   gRPC:           {args.host}:{mesh.grpc_port}  (yinian.v1.Inference)
-  scheduler:      {mesh.scheduler_address}   NATS: {shown(mesh.nats_url or "")}
+  scheduler:      {mesh.scheduler_address}   NATS: {without_login(mesh.nats_url or "")}
   KV store:       {kv_line(mesh)}{tls_line}
   model:          {name}
   metrics:        {metrics_lines(mesh)}

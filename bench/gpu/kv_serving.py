@@ -179,18 +179,18 @@ def run_names(meshes: list[str]) -> list[str]:
 
 
 def pairs(names: list[str]) -> list[tuple[str, str]]:
-    """(run, the bare run it is compared with): the bare run of the same round, the
-    n-th run of a mesh with the n-th bare run (or the last one, with fewer)."""
+    """(run, the bare run it is compared with): the n-th run of a mesh with the n-th
+    bare run (or the last one, with fewer)."""
     bares = [n for n in names if kind_of(n) == "bare"]
     if not bares:
         return []
+    rounds: dict[str, int] = {}
     out = []
     for name in names:
-        if kind_of(name) == "bare":
-            continue
-        _, _, count = name.rpartition("_")
-        round_ = int(count) if name != kind_of(name) else 1
-        out.append((name, bares[min(round_, len(bares)) - 1]))
+        kind = kind_of(name)
+        if kind != "bare":
+            rounds[kind] = rounds.get(kind, 0) + 1
+            out.append((name, bares[min(rounds[kind], len(bares)) - 1]))
     return out
 
 
@@ -242,11 +242,12 @@ def main(argv: list[str] | None = None) -> dict:
             runs[name] = section(
                 name, lambda name=name: sweep(load, folder, device, out_dir, name, args.profile)
             )
-        for name, bare_name in pairs(names):
+        compared = dict(pairs(names))
+        for name, bare_name in compared.items():
             run, bare = runs.get(name) or {}, runs.get(bare_name) or {}
             if "rows" in run and "rows" in bare:
                 section.results[ratio_key(name)] = ratios(run, bare)
-        section.results["compared_with"] = dict(pairs(names))
+        section.results["compared_with"] = compared
         print_table(section.results, names)
         return section.results
 

@@ -13,9 +13,11 @@ import json
 import threading
 from pathlib import Path
 
+import httpx
+
 from bench.loadgen.cli import run as bench_run
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import scrape, worker_metric
+from yinian.mesh_probe import sample_sum, worker_metric
 
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -116,16 +118,18 @@ def _store(mesh: Mesh) -> dict:
     url = mesh.metrics_endpoints().get("kvstore")
     if url is None:
         return {}
-    out = {"memory_blocks": scrape(url, "yinian:kvstore_memory_blocks")}
+    page = httpx.get(url, timeout=5).text  # one read: every figure from the same moment
+    out = {"memory_blocks": sample_sum(page, "yinian:kvstore_memory_blocks")}
     for name, label, values in (
         ("lookup_blocks_total", "result", ("hit", "miss")),
         ("get_blocks_total", "result", ("hit", "miss")),
         ("bytes_total", "direction", ("in", "out")),
     ):
         for value in values:
-            out[f"{name}_{value}"] = scrape(url, f"yinian:kvstore_{name}", f'{label}="{value}"')
+            out[f"{name}_{value}"] = sample_sum(page, f"yinian:kvstore_{name}",
+                                                f'{label}="{value}"')  # fmt: skip
     for name in ("rejected_puts_total", "evictions_total", "spilled_blocks_total"):
-        out[name] = scrape(url, f"yinian:kvstore_{name}")
+        out[name] = sample_sum(page, f"yinian:kvstore_{name}")
     return out
 
 
