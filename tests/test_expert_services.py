@@ -72,11 +72,11 @@ def assert_refused(mesh, other_model: str) -> None:
         balancer(mesh).GetExpertStatus(expert_pb2.ExpertStatusRequest()).placement.members
     )
     argv = ["--model", other_model, "--scheduler", mesh.scheduler_address,
-            "--nats-url", mesh.nats_url, "--expert-id", "stranger"]  # fmt: skip
-    stranger = mesh._spawn("stranger", "services.expert", argv)
+            "--nats-url", mesh.nats_url, "--expert-id", "expert-9"]  # fmt: skip
+    stranger = mesh._spawn("expert-9", "services.expert", argv)
     assert stranger.proc.wait(timeout=60) != 0
     stranger.pump.join(10)
-    assert "refused" in (mesh.log_dir / "stranger.log").read_text()
+    assert "refused" in (mesh.log_dir / "expert-9.log").read_text()
     assert len(wait_for_placement(mesh, members).placement.members) == members
 
 

@@ -23,19 +23,21 @@ from proto.yinian.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common import mesh_token
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import list_workers
 from yinian.up import banner
 
 
-def _generate(address: str) -> list:
+def _generate(address: str, credential: str = "", max_tokens: int = 1500) -> list:
     stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(address))
     request = worker_pb2.GenerateRequest(
         request_id="probe", prompt_token_ids=[1, 2, 3], tenant="tenantA",
-        params=common_pb2.SamplingParams(max_tokens=1500),
+        params=common_pb2.SamplingParams(max_tokens=max_tokens),
     )  # fmt: skip
-    return list(stub.Generate(request, timeout=30))
+    metadata = [(mesh_token.KEY, credential)] if credential else None
+    return list(stub.Generate(request, timeout=30, metadata=metadata))
 
 
 def test_direct_calls_without_the_mesh_token_are_refused(guarded_mesh):
@@ -58,6 +60,43 @@ def test_direct_calls_without_the_mesh_token_are_refused(guarded_mesh):
     answer = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
     assert [w.info.worker_id for w in list_workers(guarded_mesh)] == [worker.worker_id]
+
+
+def test_a_service_of_the_mesh_calls_only_what_its_kind_may(guarded_mesh):
+    """Each service holds its own credential: a worker cannot probe another tenant's
+    cache through a worker's Generate (only the gateway names tenants), register
+    another worker or place requests; the gateway cannot register a worker; a
+    credential with a wrong secret is a stranger's."""
+    mine = {n: guarded_mesh.child(n).env[mesh_token.ENV] for n in ("worker-0", "gateway")}
+    assert mine["worker-0"].startswith("worker-0.") and mine["gateway"].startswith("gateway.")
+    worker = list_workers(guarded_mesh)[0].info
+    scheduler = scheduler_pb2_grpc.SchedulerStub(
+        grpc.insecure_channel(guarded_mesh.scheduler_address)
+    )
+
+    def code(call, request, credential: str):
+        try:
+            call(request, timeout=10, metadata=[(mesh_token.KEY, credential)])
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    fake = scheduler_pb2.WorkerInfo(worker_id="worker-1", address="127.0.0.1:1")
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    assert code(scheduler.Register, fake, mine["worker-0"]) == denied  # another worker
+    assert code(scheduler.Register, worker, mine["gateway"]) == denied  # not a worker
+    place = scheduler_pb2.PlaceRequest(request_id="x", prompt_tokens=3)
+    assert code(scheduler.Place, place, mine["worker-0"]) == denied
+    assert code(scheduler.Register, worker, mine["worker-0"]) == grpc.StatusCode.OK  # itself
+    forged = "gateway." + mine["worker-0"].partition(".")[2]
+    assert code(scheduler.Place, place, forged) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(worker.address, mine["worker-0"])
+    assert err.value.code() == denied
+    chunks = _generate(worker.address, mine["gateway"], max_tokens=2)  # the gateway's own
+    assert chunks and chunks[-1].finish_reason
+    assert [w.info.worker_id for w in list_workers(guarded_mesh)] == [worker.worker_id]
+    assert list_workers(guarded_mesh)[0].info.address == worker.address
 
 
 def test_insecure_internal_serves_strangers():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from basis.host_regions import default_store_memory_bytes
-from services.common import mesh_token
+from services.common import callers, mesh_token
 from services.common.processes import (
     check_port_free,
     free_port,
@@ -96,6 +96,7 @@ class Mesh:
         self.kvstore_address = ""
         self.scheduler_address = ""
         self._grpc_port = spec.grpc_port or 0  # 0: any free port, read back once it is bound
+        self._credentials: dict[str, str] = {}  # each service's own (services/common/callers.py)
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
             f"yinian-{os.getpid()}-{int(time.time())}"
         )
@@ -134,10 +135,11 @@ class Mesh:
         nats_url = self.service_nats_urls.get(name) if self.service_nats_urls else self.nats_url
         if nats_url:  # with its password: by environment, never on a command line
             env["YINIAN_NATS_URL"] = nats_url
+        env.pop(callers.ENV, None)
         if self.spec.insecure_internal:
             env.pop(mesh_token.ENV, None)
-        else:  # one token per process: its meshes, and this process's own calls to them
-            env[mesh_token.ENV] = os.environ.setdefault(mesh_token.ENV, mesh_token.new_token())
+        else:
+            env.update(self._credential_env(name))
         if self.spec.tls is not None:  # every service's TlsSettings read these
             tls = self.spec.tls
             env.update(YINIAN_TLS_CERT=tls.cert, YINIAN_TLS_KEY=tls.key, YINIAN_TLS_CA=tls.ca)
@@ -145,6 +147,19 @@ class Mesh:
         env.update(extra or {})
         return self._add(launch(name, [sys.executable, "-m", module, *argv], env,
                                 self.log_dir / f"{name}.log"))  # fmt: skip
+
+    def _credential_env(self, name: str) -> dict[str, str]:
+        """A service's own credential and the table of its mesh's callers. This process
+        is the meshes' owner (one credential for all of them); a shared secret already in
+        its environment (no `NAME.` in it) goes to every service instead."""
+        owner = os.environ.setdefault(mesh_token.ENV, callers.new_credential(callers.OWNER))
+        if not owner.startswith(f"{callers.OWNER}."):
+            return {mesh_token.ENV: owner}
+        self._credentials[callers.OWNER] = owner
+        mine = self._credentials.setdefault(name, callers.new_credential(name))
+        table = self.log_dir / "callers"
+        callers.write_table(table, self._credentials)
+        return {mesh_token.ENV: mine, callers.ENV: str(table)}
 
     def _add(self, child: Child) -> Child:
         self.children.append(child)

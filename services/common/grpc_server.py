@@ -158,7 +158,7 @@ class GrpcServer:
         guard = []
         if internal:
             mesh_token.warn_if_open(what)
-            guard = [mesh_token.TokenCheck(mesh_token.token())] if mesh_token.token() else []
+            guard = mesh_token.guard()
         self.server = grpc.aio.server(
             interceptors=[*guard, self.in_flight, ErrorMappingInterceptor()],
             options=[

@@ -4,8 +4,10 @@ checks, in constant time, before any method runs (UNAUTHENTICATED otherwise).
 Health checks stay open (probes carry no secret); the gateway's public API
 takes API keys instead.
 
-The token comes from `YINIAN_MESH_TOKEN`: `yinian up` makes one per run and
-hands it to every service it starts (deployments: a secret). A service started
+The token comes from `YINIAN_MESH_TOKEN`: `yinian up` gives every service it
+starts a credential of its own and the servers the table of them (callers.py:
+a server knows which service calls, and what it may call); a deployment hands
+every service one shared secret instead. A service started
 without it serves and calls unauthenticated and says so at start; `yinian up
 --insecure-internal` runs a whole mesh that way, with a warning in its banner.
 """
@@ -15,10 +17,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import secrets
 import time
 
 import grpc
+
+from services.common import callers
 
 logger = logging.getLogger(__name__)
 ENV = "YINIAN_MESH_TOKEN"
@@ -30,10 +33,6 @@ def token() -> str:
     return os.environ.get(ENV, "")
 
 
-def new_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
 def warn_if_open(what: str) -> None:
     if not token():
         logger.warning("%s: no %s, so internal gRPC calls are not authenticated "
@@ -41,39 +40,84 @@ def warn_if_open(what: str) -> None:
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses every call without the mesh's token (health checks aside)."""
+    """Refuses every call without the mesh's token (health checks aside); with a
+    callers' table, a call of a method its caller may not make (PERMISSION_DENIED)."""
 
-    def __init__(self, expected: str):
+    def __init__(self, expected: str, table: callers.CallerTable | None = None):
         self.expected = expected.encode()
+        self.table = table
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(_OPEN):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get(KEY, "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), self.expected):
-            return await continuation(details)
-        _log_refusal(details.method, "a wrong" if given else "no")
+        if not isinstance(given, str):
+            given = ""
+        if self.table is None:
+            if hmac.compare_digest(given.encode(), self.expected):
+                return await continuation(details)
+        else:
+            caller = self.table.caller(given)
+            if caller is not None and callers.permitted(caller, details.method):
+                return await continuation(details)
+            if caller is not None:
+                _log_refusal(details.method, caller, " may not call it")
+                return _refusal(await continuation(details), grpc.StatusCode.PERMISSION_DENIED,
+                                f"{callers.role_of(caller)} services may not call this")
+        _log_refusal(details.method, "a wrong" if given else "no", " mesh token")
         return _refusal(await continuation(details))
+
+
+def caller_of(context) -> str | None:
+    """The mesh service that made this call (its guard checked the credential), or
+    None on a server without a callers' table (one shared secret)."""
+    if not os.environ.get(callers.ENV):
+        return None
+    credential = dict(context.invocation_metadata() or ()).get(KEY, "")
+    return credential.partition(".")[0] or None
+
+
+def speaks_for(context, name: str) -> bool:
+    """Whether the caller may act as service `name`: itself, the mesh's owner, or
+    any caller of a mesh with one shared secret."""
+    caller = caller_of(context)
+    return caller is None or caller in (callers.OWNER, name)
+
+
+async def only_itself(context, name: str, kind: str) -> None:
+    """Aborts (PERMISSION_DENIED) a call that speaks for service `name` from another
+    service: a worker or expert registers and withdraws itself, no other."""
+    if not speaks_for(context, name):
+        logger.warning("refused: %s tried to speak for %s %s", caller_of(context), kind, name)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"a {kind} may speak only for itself, not for {name!r}")  # fmt: skip
+
+
+def guard() -> list:
+    """The interceptors an internal server needs: none without a token."""
+    if not token():
+        return []
+    return [TokenCheck(token(), callers.table())]
 
 
 _logged: dict[str, float] = {}
 
 
-def _log_refusal(method: str, which: str) -> None:
+def _log_refusal(method: str, who: str, what: str) -> None:
     """A warning per method a minute at most, however many calls a stranger makes."""
     now = time.monotonic()
     if now - _logged.get(method, -60.0) >= 60.0:
         _logged[method] = now
-        logger.warning("refused %s: %s mesh token", method, which)
+        logger.warning("refused %s: %s%s", method, who, what)
 
 
-def _refusal(handler):
+def _refusal(handler, code=grpc.StatusCode.UNAUTHENTICATED, why="not a call of this mesh"):
     """The handler of the same kind as `handler` that only refuses."""
     if handler is None:
         return None
 
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a call of this mesh")
+        await context.abort(code, why)
 
     async def refuse_stream(request, context):
         await refuse(request, context)

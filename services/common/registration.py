@@ -45,6 +45,11 @@ class Registration:
                 await self._stub.Register(self.info, timeout=2.0)
                 return
             except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.UNAUTHENTICATED):  # fmt: skip
+                    raise RuntimeError(
+                        f"the scheduler {self.scheduler} refused this worker: {exc.details()}"
+                    ) from exc
                 if loop.time() > deadline:
                     raise RuntimeError(
                         f"scheduler {self.scheduler} unreachable: {exc.details()}"

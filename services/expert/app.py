@@ -50,6 +50,11 @@ def build_store(config: ExpertConfig) -> tuple[ExpertStore, ModelConfig]:
     return ExpertStore(weights, dtype, device), model_config
 
 
+# answers that trying again cannot change
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
+
+
 async def register(config: ExpertConfig, info: expert_pb2.ExpertServiceInfo,
                    timeout: float = 60.0) -> None:  # fmt: skip
     """Registers with the balancer, retrying until it answers."""
@@ -61,7 +66,7 @@ async def register(config: ExpertConfig, info: expert_pb2.ExpertServiceInfo,
                 await stub.RegisterExpert(info, timeout=2.0)
                 return
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                if exc.code() in REFUSALS:
                     raise StartupError(
                         f"the balancer refused this service: {exc.details()}"
                     ) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
+from services.common import mesh_token
 from services.common.experts.placement import Placement
 from services.scheduler.expert_balancer import ExpertBalancer
 from services.scheduler.expert_rollout import ExpertRollout
@@ -32,10 +33,12 @@ class ExpertBalancerServicer(expert_pb2_grpc.ExpertBalancerServicer):
         task.add_done_callback(self._tasks.discard)
 
     async def RegisterExpert(self, request, context):
+        await mesh_token.only_itself(context, request.expert_id, "expert service")
         self.balancer.register(request)  # ValueError -> INVALID_ARGUMENT
         return expert_pb2.RegisterExpertResponse(report_interval_seconds=self.report_interval)
 
     async def DeregisterExpert(self, request, context):
+        await mesh_token.only_itself(context, request.expert_id, "expert service")
         if self.balancer.deregister(request.expert_id) and self.balancer.lost_members():
             self._background(self.rollout.repair(set(self.balancer.lost_members())))
         return expert_pb2.DeregisterExpertResponse()

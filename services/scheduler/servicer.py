@@ -7,7 +7,7 @@ import logging
 from opentelemetry import trace
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common import metrics
+from services.common import mesh_token, metrics
 from services.common.kv_index import KvIndex
 from services.common.telemetry import context_from_grpc, tracer
 from services.scheduler.placement import PlacementPolicy, place
@@ -29,6 +29,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Register(self, request, context):
         if not request.worker_id or not request.address:
             raise ValueError("a worker needs a worker_id and an address")
+        await mesh_token.only_itself(context, request.worker_id, "worker")
         state = WorkerState(
             worker_id=request.worker_id,
             address=request.address,
@@ -52,6 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
 
     async def Deregister(self, request, context):
+        await mesh_token.only_itself(context, request.worker_id, "worker")
         if self.registry.deregister(request.worker_id):
             self.index.forget(request.worker_id)
             logger.info("deregistered %s", request.worker_id)
@@ -112,3 +114,4 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
             )
         return out
+
