@@ -40,8 +40,8 @@ POLICY: dict[str, frozenset[str]] = {
     f"{_S}Scheduler/ListWorkers": frozenset({"gateway"}),
     f"{_S}Decode/Generate": frozenset({"gateway"}),
     f"{_S}Decode/Abort": frozenset({"gateway"}),
-    f"{_S}Prefill/Prefill": frozenset({"decode"}),
-    f"{_S}Prefill/ReleaseKv": frozenset({"decode"}),
+    f"{_S}Prefill/Prefill": WORKERS,
+    f"{_S}Prefill/ReleaseKv": WORKERS,
     **{f"{_S}KvStore/{m}": WORKERS
        for m in ("Lookup", "Put", "Get", "Stats", "PutFrom", "GetInto", "Lend")},
     f"{_S}ExpertBalancer/RegisterExpert": frozenset({"expert"}),
