@@ -137,7 +137,7 @@ def test_compose_has_the_mesh(compose):
         assert "healthcheck" in service, name
     names = [environment(compose["services"][n])["OTEL_SERVICE_NAME"] for n in YINIAN_SERVICES]
     assert len(set(names)) == len(names), names
-    assert "-js" in compose["services"]["nats"]["command"]
+    assert " -js " in compose["services"]["nats"]["entrypoint"][2]  # JetStream on
     ports = compose["services"]["jaeger"]["ports"]
     assert any(p.endswith(":16686") for p in ports) and any(p.endswith(":4317") for p in ports)
 

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import nats
 from google.protobuf.message import Message
 
+from basis import urls
 from services.common.telemetry import nats_headers
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ SHARED_KV_SUBJECT = f"{SUBJECT_PREFIX}.kvshared"  # SharedKvEvents of the KV sto
 
 class EventBus:
     def __init__(self, url: str, name: str):
-        self.url = url
+        # a deployment's NATS password comes from a secret of its own (basis/urls.py)
+        self.url = urls.with_login(url, urls.NATS_PASSWORD_ENV, urls.NATS_USER)
         self.name = name
         self.nc: nats.NATS | None = None
 

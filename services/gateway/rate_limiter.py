@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from basis.urls import REDIS_PASSWORD_ENV, with_login
 from services.gateway.tenant_limits import TenantLimits
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ class RedisLimiter:
         import redis.asyncio as redis  # only gateways that share limits need it
 
         self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout
+            with_login(url, REDIS_PASSWORD_ENV),  # a deployment's, from a secret
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
         )
         self.script = self.client.register_script(_ACQUIRE)
         self.fallback = LocalLimiter()

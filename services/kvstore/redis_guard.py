@@ -20,7 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from basis.urls import without_login
+from basis.urls import REDIS_PASSWORD_ENV, with_login, without_login
 from services.common import metrics
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class RedisGuard:
             retry=Retry(NoBackoff(), 1),
             decode_responses=False,
         )
+        url = with_login(url, REDIS_PASSWORD_ENV)  # a deployment's, from a secret
         if cluster:
             self.client = RedisCluster.from_url(url, **options)
         else:
