@@ -38,6 +38,11 @@ class Workload:
     # starting when one is done); None: every first turn before any second turn, which
     # asks the tiers to hold every conversation's history at once
     active_conversations: int | None = None
+    # turns a second (Poisson; a turn still waits for its conversation's previous one):
+    # inf sends each as soon as a place under `concurrency` frees (saturated: TTFT is
+    # then mostly the wait for a place, whatever the tiers save); a rate below the
+    # store-off mesh's throughput is "near saturation"
+    rate: float = float("inf")
 
 
 class _Sampler:
@@ -75,7 +80,7 @@ def _serve(mesh: Mesh, folder, model: str, w: Workload, out_dir: Path, name: str
         "--prompt-format", "ids", "--max-concurrency", str(w.concurrency),
         *(["--max-active-conversations", str(w.active_conversations)]
           if w.active_conversations else []),
-        "--request-rate", "inf", "--num-warmups", "0", "--disable-tqdm", "--no-plots",
+        "--request-rate", str(w.rate), "--num-warmups", "0", "--disable-tqdm", "--no-plots",
         "--result-dir", str(out_dir), "--result-filename", f"workload-{name}",
     ])  # fmt: skip
     result = json.loads((out_dir / f"workload-{name}.json").read_text())

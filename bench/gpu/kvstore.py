@@ -14,7 +14,9 @@ about 2k tokens).
 
 Usage: python -m bench.gpu.kvstore --out bench/results/kvstore.json
            [--skip ...] [--device cpu] [--conversations N] [--turns N]
-           [--traces] [--profile] [--runs off,on] [--earlier PATH]
+           [--traces] [--profile] [--runs off,on] [--earlier PATH] [--rate R]
+`--rate`: the workload's turns a second, Poisson (default inf: each turn as soon as
+one of the 32 places frees, a saturated mesh whose TTFT is mostly the wait for a place).
 `--traces`: the tier mesh's services export their spans here, and the device hit's
 stages are recorded (exporting them costs the services time: the TTFTs of such a run
 are not comparable). `--profile`: py-spy samples the engine alone and the tier
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--conversations", type=int)
     parser.add_argument("--turns", type=int)
+    parser.add_argument("--rate", type=float, help="the workload's turns a second (inf)")
     parser.add_argument("--traces", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--runs", default="off,on")
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
                                     workload=CPU_FULL)  # fmt: skip
     w = dataclasses.replace(setup.workload, conversations=args.conversations
                             or setup.workload.conversations,
-                            turns=args.turns or setup.workload.turns)  # fmt: skip
+                            turns=args.turns or setup.workload.turns,
+                            rate=args.rate or setup.workload.rate)  # fmt: skip
     with Sections(args, script="kvstore", preset=setup.preset) as section:
         device = section.device
         folder, _ = preset_folder(section.tmp, setup.preset)
