@@ -14,10 +14,13 @@ import asyncio
 import grpc
 import nats
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.yinian.v1 import (
     common_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -102,12 +105,18 @@ def test_a_service_of_the_mesh_calls_only_what_its_kind_may(guarded_mesh):
 def test_insecure_internal_serves_strangers():
     spec = MeshSpec(model=str(ensure_default_model()), workers=1, port=0,
                     engine_argv=["--device", "cpu", "--max-model-len", "256"],
-                    gateway_argv=["--max-model-len", "256"], insecure_internal=True)  # fmt: skip
+                    gateway_argv=["--max-model-len", "256"], insecure_internal=True,
+                    kvstore=True)  # fmt: skip
     with Mesh(spec) as mesh:
         worker = list_workers(mesh)[0].info
         chunks = _generate(worker.address)
         assert "@" not in mesh.nats_url  # no login: NATS takes anyone too
         asyncio.run(_connect(mesh.nats_url))
+        if mesh.redis_url:  # and Redis (where a redis-server exists)
+            assert "@" not in mesh.redis_url
+            assert redis.Redis.from_url(mesh.redis_url).ping()
+        stats = kvstore_pb2_grpc.KvStoreStub(grpc.insecure_channel(mesh.kvstore_address))
+        stats.Stats(kvstore_pb2.StatsRequest(), timeout=10)  # the store answers a stranger
         shown = banner(mesh, _UP_ARGS)
     assert chunks and chunks[-1].finish_reason, chunks[-1:]
     assert "WARNING:        --insecure-internal: the services take calls from anyone" in shown
