@@ -106,9 +106,7 @@ def table() -> CallerTable | None:
 
 def write_table(path: Path, credentials: dict[str, str]) -> None:
     """The callers' file for these `name -> credential`s (readable by its owner only)."""
-    text = "".join(f"{c.partition('.')[0]} {_digest(c.partition('.')[2])}\n"
-                   for c in credentials.values())  # fmt: skip
-    path.touch(mode=0o600)
+    text = "".join(f"{name} {_digest(c.partition('.')[2])}\n" for name, c in credentials.items())
     tmp = path.with_suffix(".tmp")
     tmp.touch(mode=0o600)
     tmp.write_text(text)

@@ -114,4 +114,3 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
             )
         return out
-
