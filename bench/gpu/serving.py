@@ -10,7 +10,8 @@
    values), with the ratio.
 
 Usage: python -m bench.gpu.serving --out bench/results/serving.json
-           [--skip serve offline peer] [--rates 4,8,inf] [--peer-prompts N]
+           [--skip serve offline peer] [--rates 4,8,inf] [--repeat-prompts]
+           [--peer-prompts N]
 Sections: ceilings, serve, offline, peer. The sweep's own files (per-rate JSON, plots)
 go to the folder named like the JSON without its suffix (bench/results/serving/). The
 peer is the slow part (several minutes for the 1000 prompts), so split the sections
@@ -42,6 +43,7 @@ class Workload:
     output_len: int
     rates: str
     prompts_per_rate: int
+    repeat_prompts: bool = False  # every rate on the first rate's prompts (the sweep before 915c65d)
 
     def engine(self, device: str) -> dict:
         return {"dtype": "bfloat16" if device == "cuda" else "float32", "device": device,
@@ -71,7 +73,7 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
             "--prompt-format", "ids", "--request-rates", w.rates, "--goodput", "ttft:200",
             "tpot:50", "--disable-tqdm", "--result-dir", str(out_dir),
             "--result-filename", "sweep.json",
-        ])  # fmt: skip
+        ] + (["--sweep-repeat-requests"] if w.repeat_prompts else []))  # fmt: skip
         seconds = time.monotonic() - start
     finally:
         mesh.stop()
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int)
     parser.add_argument("--rates")
     parser.add_argument("--prompts-per-rate", type=int)
+    parser.add_argument("--repeat-prompts", action="store_true", help="every rate on the "
+                        "same prompts (device hits after the first rate), as serving.json's "
+                        "sweep before 915c65d ran")  # fmt: skip
     parser.add_argument("--peer-prompts", type=int, help="run the peer (and the engine again, "
                         "for the ratio) on the first N prompts only")  # fmt: skip
     args = parser.parse_args(argv)
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         num_prompts=args.num_prompts or w.num_prompts,
         rates=args.rates or w.rates,
         prompts_per_rate=args.prompts_per_rate or w.prompts_per_rate,
+        repeat_prompts=args.repeat_prompts,
     )
     with Sections(args, script="serving", preset=w.preset) as section:
         device, out_dir = section.device, args.out.with_suffix("")
