@@ -7,12 +7,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.micro_batch import MicroBatchPolicy
+from engine.models.layers import SparseMoE
 
 
 def moe_layers(model) -> list:
     """The model's SparseMoE modules (DeepSeek's included), in layer order."""
-    from engine.models.decoder import SparseMoE
-
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
 
 

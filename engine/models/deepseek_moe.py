@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from basis.model_config import ModelConfig
-from engine.models.decoder import MLP, SparseMoE
+from engine.models.layers import MLP, SparseMoE
 from kernels import ops
 
 
