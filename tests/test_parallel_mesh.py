@@ -70,11 +70,17 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=0,
                     engine_argv=[*CPU, "--tensor-parallel-size", "2"])  # fmt: skip
     with Mesh(spec) as mesh:
-        prompts = random_prompts(500, (5, 30, 64), seed=150)
-        for prompt in prompts:  # a TP = 2 worker through the gateway
+        def busy():
+            return worker_metric(mesh, "yinian:rank_busy_seconds", where='rank="1"')
+
+        # TP = 2 workers through the gateway, until both have served (placement may send
+        # the first prompts of an idle mesh to one worker)
+        for prompt in random_prompts(500, (5, 30, 64) * 4, seed=150):
             assert complete(mesh, prompt) == expected(reference, prompt)
-        busy = wait_for(lambda: worker_metric(mesh, "yinian:rank_busy_seconds", where='rank="1"'))
-        assert all(v > 0 for v in busy.values())  # both ranks of both workers computed
+            if len(busy()) == 2 and all(v > 0 for v in busy().values()):
+                break
+        rank_busy = wait_for(busy)
+        assert len(rank_busy) == 2 and all(v > 0 for v in rank_busy.values())  # every rank ran
         worker = mesh.child("worker-0").proc.pid
         ranks = followers_of(worker)
         assert len(ranks) == 1
