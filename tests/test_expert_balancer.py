@@ -1,14 +1,20 @@
 """The expert balancer's state without a network: membership, load windows,
-EPLB plans over the live services, and which workers have switched."""
+EPLB plans over the live services, and which workers have switched; and a
+scheduler run without it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
 import pytest
 import torch
 
-from proto.yinian.v1 import expert_pb2
+from proto.yinian.v1 import expert_pb2, expert_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import sync_channel
 from services.scheduler.expert_balancer import ExpertBalancer
 from services.scheduler.expert_rollout import collecting
+from yinian.mesh import Mesh, MeshSpec
 
 
 class Clock:
@@ -100,3 +106,25 @@ def test_an_expert_service_refuses_bad_settings_before_it_starts(model_dir, tmp_
         build_store(parse(["--model", str(model_dir("tiny-llama"))]))
     with pytest.raises(StartupError, match="--model"):
         build_store(parse(["--model", str(tmp_path / "missing")]))
+
+
+def test_a_mesh_without_expert_services_runs_its_scheduler_without_the_balancer(model_dir):
+    """No expert services: the scheduler starts without the balancer (nor torch), and
+    an expert service that registers anyway is told why it is refused."""
+    spec = MeshSpec(model=str(model_dir("tiny-moe")), workers=0, gateways=0, port=0)
+    with Mesh(spec) as mesh:
+        pid = mesh.child("scheduler").proc.pid
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps
+        stub = expert_pb2_grpc.ExpertBalancerStub(
+            sync_channel(mesh.scheduler_address, mesh.spec.tls)
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterExpert(info("e0"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--no-expert-balancer" in refused.value.details()
+        # placement goes on: the scheduler's own service answers
+        listed = scheduler_pb2_grpc.SchedulerStub(
+            sync_channel(mesh.scheduler_address, mesh.spec.tls)
+        )
+        assert list(listed.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers) == []

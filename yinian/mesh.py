@@ -275,6 +275,7 @@ class Mesh:
                 "scheduler",
                 "services.scheduler",
                 ["--host", self.spec.host, "--port", "0",
+                 *([] if self.spec.experts else ["--no-expert-balancer"]),
                  *self.spec.scheduler_argv],
             )  # fmt: skip
             started = [scheduler]

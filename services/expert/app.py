@@ -52,7 +52,7 @@ def build_store(config: ExpertConfig) -> tuple[ExpertStore, ModelConfig]:
 
 # answers that trying again cannot change
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
 
 
 async def register(config: ExpertConfig, info: expert_pb2.ExpertServiceInfo,

@@ -27,7 +27,6 @@ from services.common.grpc_server import GrpcServer
 from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.expert_plane import ExpertPlane
 from services.scheduler.placement import PlacementPolicy
 from services.scheduler.registry import Registry
 from services.scheduler.servicer import SchedulerServicer
@@ -91,6 +90,17 @@ class EventHandlers:
         await self.bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, self.on_shared)
 
 
+def expert_plane(config: SchedulerConfig):
+    """The expert balancer's part of the process, or its refusals when it is off."""
+    if not config.expert_balancer:
+        from services.scheduler.expert_off import NoExpertPlane
+
+        return NoExpertPlane()
+    from services.scheduler.expert_plane import ExpertPlane  # loads torch
+
+    return ExpertPlane(config, config.tls_files())
+
+
 async def run(config: SchedulerConfig) -> None:
     setup_tracing("yinian-scheduler")
     registry = Registry(config.heartbeat_timeout)
@@ -110,7 +120,7 @@ async def run(config: SchedulerConfig) -> None:
     server.add(
         scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, ["yinian.v1.Scheduler"]
     )
-    experts = ExpertPlane(config, config.tls_files())
+    experts = expert_plane(config)
     experts.add_to(server)
     await server.start()
     metrics_port = metrics.serve_metrics(config.metrics_port, config.host, metrics.SCHEDULER)

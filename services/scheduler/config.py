@@ -35,6 +35,11 @@ class SchedulerConfig(TlsSettings):
         0.3, "cost of a prompt token found in the shared tier, as a fraction of computing it"
     )
     # The expert balancer (services/scheduler/expert_*.py).
+    expert_balancer: bool = setting(
+        True,
+        "serve the expert balancer that MoE expert services register with (off: expert "
+        "services are refused, and the scheduler starts without loading torch)",
+    )
     expert_redundant_slots: int = setting(
         0, "expert slots per MoE layer beyond one per expert, for EPLB's replicas of hot experts"
     )
