@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,7 +20,7 @@ from proto.yinian.v1 import (
     inference_pb2_grpc,
 )
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import list_workers, worker_metric
+from yinian.mesh_probe import list_workers, scheduler_metric, wait_indexed, worker_metric
 
 KEY, OTHER_KEY = "sk-test-alpha", "sk-test-beta"
 
@@ -230,8 +229,10 @@ def test_missing_or_wrong_key_is_401(mesh, key):
 def test_tenants_do_not_share_prefix_cache(mesh):
     prompt = list(range(3, 200))
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}
+    indexed = scheduler_metric(mesh, "yinian:kv_index_blocks", 'tier="gpu"')
     first = post(mesh, "/v1/completions", body, key=KEY).json()
-    time.sleep(0.5)  # KV events reach the scheduler asynchronously
+    # the worker's KV events reach the scheduler asynchronously: its 12 full blocks
+    assert wait_indexed(mesh, indexed + len(prompt) // 16) >= indexed + 12
     again = post(mesh, "/v1/completions", body, key=KEY).json()
     other = post(mesh, "/v1/completions", body, key=OTHER_KEY).json()
     cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731

@@ -3,6 +3,8 @@ worker's Prometheus metrics (for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -59,3 +61,20 @@ def gateway_metric(mesh, name: str) -> float:
 
 def metric_sum(mesh, name: str, role: str = "decode") -> float:
     return sum(worker_metric(mesh, name, role).values())
+
+
+def scheduler_metric(mesh, name: str, where: str = "") -> float:
+    """The sum of a scheduler metric's samples (those whose labels contain `where`)."""
+    return scrape(mesh.metrics_endpoints()["scheduler"], name, where)
+
+
+def wait_indexed(mesh, at_least: float, tier: str = "gpu", timeout: float = 15.0) -> float:
+    """Waits until the scheduler's KV index knows at least `at_least` blocks in `tier`
+    (over every holder), i.e. until the workers' KV events have reached it; returns
+    the count (less than asked if the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        count = scheduler_metric(mesh, "yinian:kv_index_blocks", f'tier="{tier}"')
+        if count >= at_least or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)

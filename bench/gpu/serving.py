@@ -43,7 +43,7 @@ class Workload:
     output_len: int
     rates: str
     prompts_per_rate: int
-    repeat_prompts: bool = False  # every rate on the first rate's prompts (the sweep before 915c65d)
+    repeat_prompts: bool = False  # every rate on the first rate's prompts (as before 915c65d)
 
     def engine(self, device: str) -> dict:
         return {"dtype": "bfloat16" if device == "cuda" else "float32", "device": device,

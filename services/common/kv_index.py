@@ -119,3 +119,7 @@ class KvIndex:
 
     def num_blocks(self, holder: str, tier: str = GPU) -> int:
         return len(self._blocks.get((holder, tier), ()))
+
+    def sizes(self) -> dict[tuple[str, str], int]:
+        """(holder, tier) -> how many blocks the index knows there."""
+        return {key: len(blocks) for key, blocks in self._blocks.items()}

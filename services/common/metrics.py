@@ -244,6 +244,12 @@ MIGRATIONS = Counter(
 PLACEMENTS = Counter(
     "yinian:placements_total", "Placement decisions", ["outcome"], registry=SCHEDULER
 )
+KV_INDEX_BLOCKS = Gauge(
+    "yinian:kv_index_blocks",
+    "Blocks the scheduler's KV index knows, by holder (a worker, or the shared tier) and tier",
+    ["holder", "tier"],
+    registry=SCHEDULER,
+)
 READY_WORKERS = Gauge(
     "yinian:ready_workers", "Workers ready for placement", ["role"], registry=SCHEDULER
 )

@@ -90,6 +90,17 @@ class EventHandlers:
         await self.bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, self.on_shared)
 
 
+def export_index(index: KvIndex, shown: set) -> set:
+    """The index's sizes as `yinian:kv_index_blocks`; a holder it forgot leaves the
+    metric. Returns what is shown now."""
+    sizes = index.sizes()
+    for (holder, tier), count in sizes.items():
+        metrics.KV_INDEX_BLOCKS.labels(holder=holder, tier=tier).set(count)
+    for holder, tier in shown - sizes.keys():
+        metrics.KV_INDEX_BLOCKS.remove(holder, tier)
+    return set(sizes)
+
+
 def expert_plane(config: SchedulerConfig):
     """The expert balancer's part of the process, or its refusals when it is off."""
     if not config.expert_balancer:
@@ -133,6 +144,7 @@ async def run(config: SchedulerConfig) -> None:
           flush=True)  # fmt: skip
 
     stop = stop_on_signals()
+    shown: set = set()
     while not stop.is_set():
         if not bus.connected:
             # No heartbeat can arrive while NATS is away: that is no sign of a
@@ -146,6 +158,7 @@ async def run(config: SchedulerConfig) -> None:
             )
         for role in ROLES:
             metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))
+        shown = export_index(index, shown)
         await experts.tick(bus.connected)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.25)
