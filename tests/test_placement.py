@@ -4,11 +4,15 @@ cost: tokens to compute, cheaper when cached in a tier, plus load."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import generate_latest
 
+from services.common import metrics
 from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
+from services.scheduler.app import export_index
 from services.scheduler.placement import PlacementPolicy, place
 from services.scheduler.registry import Registry, WorkerState
+from yinian.mesh_probe import sample_sum
 
 H = list(range(100, 110))  # a prompt's 10 block hashes
 
@@ -27,6 +31,22 @@ def test_index_applies_numbered_batches_and_detects_gaps():
     assert index.apply("w1", 6, {GPU: (H[:2], []), HOST: (H[2:5], [])}, reset=True)
     assert index.needs_resync == set()
     assert index.prefix_by_tier("w1", H) == [GPU, GPU, HOST, HOST, HOST]
+
+
+def test_the_index_size_is_exported_and_a_forgotten_worker_leaves_the_metric():
+    index, shown = KvIndex(), set()
+    index.apply("w1", 1, {GPU: (H[:4], []), HOST: (H[4:6], [])}, reset=True)
+    index.apply("w2", 1, {GPU: (H[:1], [])}, reset=True)
+    shown = export_index(index, shown)
+    text = generate_latest(metrics.SCHEDULER).decode()
+    assert sample_sum(text, "yinian:kv_index_blocks", 'holder="w1",tier="gpu"') == 4
+    assert sample_sum(text, "yinian:kv_index_blocks", 'holder="w1",tier="host"') == 2
+    assert sample_sum(text, "yinian:kv_index_blocks", 'holder="w2"') == 1
+    index.forget("w1")
+    export_index(index, shown)
+    text = generate_latest(metrics.SCHEDULER).decode()
+    assert 'holder="w1"' not in text
+    assert sample_sum(text, "yinian:kv_index_blocks", 'holder="w2"') == 1
 
 
 def test_index_prefix_continues_in_the_shared_tier():
