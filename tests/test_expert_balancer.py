@@ -116,15 +116,13 @@ def test_a_mesh_without_expert_services_runs_its_scheduler_without_the_balancer(
         pid = mesh.child("scheduler").proc.pid
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "libtorch" not in maps
-        stub = expert_pb2_grpc.ExpertBalancerStub(
-            sync_channel(mesh.scheduler_address, mesh.spec.tls)
-        )
+        channel = sync_channel(mesh.scheduler_address, mesh.spec.tls)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.RegisterExpert(info("e0"), timeout=5)
+            expert_pb2_grpc.ExpertBalancerStub(channel).RegisterExpert(info("e0"), timeout=5)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "--no-expert-balancer" in refused.value.details()
         # placement goes on: the scheduler's own service answers
-        listed = scheduler_pb2_grpc.SchedulerStub(
-            sync_channel(mesh.scheduler_address, mesh.spec.tls)
+        listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=5
         )
-        assert list(listed.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers) == []
+        assert list(listed.workers) == []

@@ -70,17 +70,20 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=2, port=0,
                     engine_argv=[*CPU, "--tensor-parallel-size", "2"])  # fmt: skip
     with Mesh(spec) as mesh:
+
         def busy():
             return worker_metric(mesh, "yinian:rank_busy_seconds", where='rank="1"')
+
+        def every_rank_ran(rank_busy) -> bool:
+            return len(rank_busy) == 2 and all(v > 0 for v in rank_busy.values())
 
         # TP = 2 workers through the gateway, until both have served (placement may send
         # the first prompts of an idle mesh to one worker)
         for prompt in random_prompts(500, (5, 30, 64) * 4, seed=150):
             assert complete(mesh, prompt) == expected(reference, prompt)
-            if len(busy()) == 2 and all(v > 0 for v in busy().values()):
+            if every_rank_ran(busy()):
                 break
-        rank_busy = wait_for(busy)
-        assert len(rank_busy) == 2 and all(v > 0 for v in rank_busy.values())  # every rank ran
+        assert every_rank_ran(wait_for(busy))
         worker = mesh.child("worker-0").proc.pid
         ranks = followers_of(worker)
         assert len(ranks) == 1
