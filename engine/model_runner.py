@@ -92,6 +92,7 @@ class ModelRunner:
         )  # fmt: skip
         self.model.full_vocab_size = model_config.vocab_size
         apply_moe_settings(self.model, config)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kernel_mode = config.kernels
         if config.kernels == "auto":
             self.kernel_mode = "triton" if self.device.type == "cuda" else "torch"
@@ -201,18 +202,29 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------
     def prepare(
-        self, seqs: list[Sequence], num_new: list[int], block_tables: list[list[int]]
+        self,
+        seqs: list[Sequence],
+        num_new: list[int],
+        block_tables: list[list[int]],
+        as_rows: bool = False,
     ) -> StepInputs:
         """The step's inputs on the device. Everything is staged in two host buffers
         (pinned on CUDA) and moved in two copies; a sequence's pending token (async
-        scheduling) is read on the device from the step that sampled it."""
+        scheduling) is read on the device from the step that sampled it.
+
+        `as_rows`: every new token is a row of its own, as in a decode step (query
+        length 1, its sequence's block table, its position + 1 tokens cached): the
+        attention layers write every row's K/V before any row attends, so a row
+        sees the tokens before it in its chunk, and the step is exactly the prompt
+        chunk's, in the shape the decode graphs replay."""
         bs, batch, total = self.block_size, len(seqs), sum(num_new)
         max_blocks = max(len(t) for t in block_tables)
         known = [
             min(n, len(s.all_token_ids) - s.num_computed_tokens) for s, n in zip(seqs, num_new)
         ]
         sampled = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new)]
-        shape = StepShape(total, batch, total - sum(known), max_blocks, sum(sampled))
+        n_rows = total if as_rows else batch  # rows of the attention metadata
+        shape = StepShape(total, n_rows, total - sum(known), max_blocks, sum(sampled))
         # int64: ids, positions, slots, sample rows, pending rows, their sources; int32:
         # query starts, sequence lengths, block tables. Segments start 16-byte aligned.
         wide, narrow = shape.wide, shape.narrow
@@ -221,7 +233,7 @@ class ModelRunner:
         h32 = torch.zeros(narrow.size, dtype=torch.int32, pin_memory=pin)
         ids, positions, slots, rows, pend_rows, pend_src = wide.views(h64.numpy())
         query_start, seq_lens, tables = narrow.views(h32.numpy())
-        tables = tables.reshape(batch, max_blocks)
+        tables = tables.reshape(n_rows, max_blocks)
         sample_seqs: list[Sequence] = []
         source = None  # the in-flight step's sampled tokens (async scheduling)
         start = p = 0
@@ -237,14 +249,22 @@ class ModelRunner:
                 ids[start + k], pend_rows[p], pend_src[p] = 0, start + k, index
                 p += 1
             positions[start : start + n] = np.arange(c, c + n)
-            tables[i, : len(table)] = table
-            seq_lens[i] = c + n
+            if as_rows:
+                tables[start : start + n, : len(table)] = table
+                seq_lens[start : start + n] = np.arange(c + 1, c + n + 1)
+            else:
+                tables[i, : len(table)] = table
+                seq_lens[i] = c + n
+                query_start[i + 1] = start + n
             start += n
-            query_start[i + 1] = start
             if sampled[i]:
                 rows[len(sample_seqs)] = start - 1
                 sample_seqs.append(seq)
-        row_of = np.repeat(np.arange(batch), num_new)
+        if as_rows:
+            query_start[:] = np.arange(total + 1)
+            row_of = np.arange(total)
+        else:
+            row_of = np.repeat(np.arange(batch), num_new)
         slots[:] = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         d64, d32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
@@ -253,7 +273,8 @@ class ModelRunner:
             ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
         if self.followers is not None:  # the other ranks run the same step
             self.followers.send(shape, d64, d32)
-        t = step_wire.unpack(shape, d64, d32, num_new, seq_lens.tolist())
+        query_lens = [1] * total if as_rows else num_new
+        t = step_wire.unpack(shape, d64, d32, query_lens, seq_lens.tolist())
         return StepInputs(t.input_ids, t.positions, t.meta, t.sample_rows, sample_seqs)
 
     @torch.inference_mode()
@@ -283,21 +304,35 @@ class ModelRunner:
             self.busy_seconds += time.perf_counter() - start
             self.steps += 1
 
+    def rows_pay(self, seqs: list[Sequence], num_new: list[int]) -> bool:
+        """Whether a step with prompt chunks runs in the decode graphs, a row per new
+        token (`prepare(as_rows=True)`): when its tokens fit the largest graph and
+        the rows' attention reads (every row reads its whole prefix) come to at
+        most twice the weights' bytes, so the step costs at most about three
+        decode steps' reads, less than launching the eager forward pass op by op
+        (a few new tokens after a long cached prefix, a short prompt)."""
+        total = sum(num_new)
+        if self.graphs is None or total > self.graphs.max_batch or total == len(seqs):
+            return False
+        context = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(seqs, num_new))
+        return context * self.kv_spec.bytes_per_token <= 2 * self.weight_bytes
+
     def _launch(self, seqs, num_new, block_tables, force_eager):
-        inputs = self.prepare(seqs, num_new, block_tables)
+        as_rows = not force_eager and self.rows_pay(seqs, num_new)
+        inputs = self.prepare(seqs, num_new, block_tables, as_rows)
         masks = masks_for(inputs.sample_seqs)
-        batch = len(seqs)
+        rows = int(inputs.input_ids.shape[0])
         if (
             self.graphs is not None
             and not force_eager
             and inputs.meta.decode_only
-            and batch <= self.graphs.max_batch
+            and rows <= self.graphs.max_batch
         ):
-            self.num_tokens_processed += batch
+            self.num_tokens_processed += rows
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if not inputs.sample_seqs:
                 return None
-            if len(inputs.sample_seqs) < batch:  # a one-token prompt chunk samples nothing
+            if len(inputs.sample_seqs) < rows:  # rows of prompt chunks sample nothing
                 logits = logits.index_select(0, inputs.sample_rows)
             return self.sampler.launch(logits, inputs.sample_seqs, masks)
         if self.stage is not None:

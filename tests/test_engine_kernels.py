@@ -54,3 +54,48 @@ def test_padded_decode_buffers_give_the_unpadded_logits(model_dir, name):
         padded = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # bucket of 4
         eager = runner.model.compute_logits(runner.forward(inputs))
     torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])  # K/V and latent caches
+def test_prompt_chunks_as_decode_rows_give_the_chunks_logits(model_dir, name):
+    """A step of a decode and a prompt chunk after a cached prefix, laid out a row per
+    token for the decode graphs, gives the eager varlen step's logits."""
+    llm = LLM(model_dir(name), device="cpu", kernels="triton")
+    engine, runner = llm.engine, llm.engine.runner
+    first, second = random_prompts(500, (21, 7), seed=73)
+    engine.add_request("a", first, SamplingParams(max_tokens=20, ignore_eos=True))
+    while any(s.in_prefill for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    engine.add_request("b", first[:16] + second, SamplingParams(max_tokens=4, ignore_eos=True))
+    batch = engine.scheduler.schedule()
+    assert batch.num_new_tokens == [1, 7] and batch.seqs[1].num_computed_tokens == 16
+    tables = [engine.kv.block_ids(s) for s in batch.seqs]
+    rows = runner.prepare(batch.seqs, batch.num_new_tokens, tables, as_rows=True)
+    assert rows.meta.decode_only and rows.meta.seq_lens_cpu[1:] == list(range(17, 24))
+    varlen = runner.prepare(batch.seqs, batch.num_new_tokens, tables)
+    graphs = DecodeGraphs(runner, max_batch=16, max_seq_len=256)
+    with ops.using("triton"):
+        eager = runner.model.compute_logits(runner.forward(varlen))
+        padded = graphs.run(rows.input_ids, rows.positions, rows.meta)
+    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_an_engine_with_decode_graphs_answers_as_without(model_dir):
+    """Short prompts and prompts that extend a cached prefix run as decode-graph rows
+    (replayed eagerly on the CPU); the greedy answers are the plain engine's."""
+    folder = model_dir("tiny-llama")
+    prompts = random_prompts(500, (3, 40, 9), seed=74)
+    prompts.append(prompts[1][:32] + prompts[2])  # 32 tokens cached, 9 new
+    ref = LLM(folder, device="cpu")
+    want = [ref.generate([p], PARAMS)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(folder, device="cpu", kernels="triton")
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner, max_batch=16, max_seq_len=256)
+    launched = []
+    prepare = runner.prepare
+    runner.prepare = lambda *a: launched.append(a[3]) or prepare(*a)
+    got = [llm.generate([p], PARAMS)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert got[3].num_cached_tokens == 32
+    # the 3-token prompt and the 9 tokens after the cached 32 as rows; 40 do not fit 16
+    assert launched[0] is True and launched[-5] is True and launched[5] is False

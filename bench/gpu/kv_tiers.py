@@ -81,13 +81,23 @@ def _engine_ttft(llm: LLM, prompt: list[int]) -> dict:
     timed([(t + 1) % 1000 for t in prompt])  # the shapes, warmed up
     none = timed(prompt)
     hits = [timed(prompt) for _ in range(REPEATS)]
-    return {"none_ms": none, "gpu_ms": sorted(hits)[len(hits) // 2], "gpu_all_ms": hits}
+    short = [timed(SHORT_PROMPT) for _ in range(SHORT_REPEATS)]
+    return {
+        "none_ms": none,
+        "gpu_ms": sorted(hits)[len(hits) // 2],
+        "gpu_all_ms": hits,
+        "short_prompt_ms": sorted(short)[len(short) // 2],
+        "short_prompt_all_ms": short,
+    }
 
 
 # One client, its connection kept: a client made per request (httpx.stream) spends
 # ~20 ms setting up before it sends, which is not the mesh's time.
 _CLIENT = httpx.Client(timeout=600)
 REPEATS = 3
+# a prompt shorter than a block (never a prefix hit): the mesh's and the engine's
+# first token for it, the fixed cost of a request
+SHORT_PROMPT, SHORT_REPEATS = [11, 12, 13], 7
 PROFILE_SECONDS, PROFILE_FRAMES = 4.0, 60
 
 
@@ -113,7 +123,8 @@ def _first_token(mesh: Mesh, prompt: list[int], model: str, max_tokens: int = 4)
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices") or []:
-                if choice.get("text") and ttft is None:
+                # the first token's chunk (its text may be empty: part of a character)
+                if "text" in choice and ttft is None:
                     ttft = time.perf_counter() - start
                 text += choice.get("text") or ""
             usage = chunk.get("usage") or {}
@@ -146,6 +157,8 @@ def ttft_by_tier(
     # before the first token is read back
     out["gpu_one_token_ms"] = [_first_token(mesh, prompt, model, 1)["ttft_ms"]
                                for _ in range(REPEATS)]  # fmt: skip
+    short = [_first_token(mesh, SHORT_PROMPT, model, 1)["ttft_ms"] for _ in range(SHORT_REPEATS)]
+    out["short_prompt_ms"], out["short_prompt_all_ms"] = sorted(short)[len(short) // 2], short
     if traces is not None:  # where a device hit's time goes, service by service
         time.sleep(1.0)  # the services' span batches
         out["gpu_stages"] = stages([s for s in traces.snapshot() if s.start_ns >= since])

@@ -183,15 +183,15 @@ def print_table(results: dict) -> None:
               f"{load['gbps'] / ceiling:.2f} of the copy ceiling")  # fmt: skip
     if "engine_ttft" in load:
         e = load["engine_ttft"]
-        print(
-            f"engine alone: TTFT recomputed {e['none_ms']:.1f} ms, device hit {e['gpu_ms']:.1f} ms"
-        )
+        print(f"engine alone: TTFT recomputed {e['none_ms']:.1f} ms, device hit "
+              f"{e['gpu_ms']:.1f} ms, a 3-token prompt {e['short_prompt_ms']:.1f} ms")  # fmt: skip
     tiers = results.get("ttft_by_tier") or {}
     if "none" in tiers:
         for tier in ("none", "gpu", "host", "shared"):
             row = tiers[tier]
             print(f"TTFT, prefix {tier:6}: {row['ttft_ms']:8.1f} ms, "
                   f"cached {row['cached_tokens']}")  # fmt: skip
+        print(f"TTFT, a 3-token prompt: {tiers['short_prompt_ms']:.1f} ms")
         print("speed-up over none:", json.dumps(tiers["speedup_over_none"]))
         print("shared tier fetched by path:", json.dumps(tiers.get("shared_fetched_by_path")))
         print("answer as recomputed:", json.dumps(tiers.get("same_as_none")),
