@@ -75,6 +75,12 @@ class EngineConfig:
         "auto", "auto (Triton on CUDA, torch on CPU), triton or torch", choices=_KERNELS
     )
     enforce_eager: bool = setting(False, "no CUDA graphs")
+    graph_prompt_rows: bool = setting(
+        True,
+        "run a step of short prompt chunks (a short prompt, a few tokens after a long cached "
+        "prefix) in the decode CUDA graphs, a row per token, where its attention reads stay "
+        "within twice the weights' bytes",
+    )
     tensor_parallel_size: int = setting(
         1, "ranks a layer's weights are split over (one process and device each)"
     )

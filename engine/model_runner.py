@@ -312,7 +312,12 @@ class ModelRunner:
         decode steps' reads, less than launching the eager forward pass op by op
         (a few new tokens after a long cached prefix, a short prompt)."""
         total = sum(num_new)
-        if self.graphs is None or total > self.graphs.max_batch or total == len(seqs):
+        if (
+            self.graphs is None
+            or not self.config.graph_prompt_rows
+            or total > self.graphs.max_batch
+            or total == len(seqs)
+        ):
             return False
         context = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(seqs, num_new))
         return context * self.kv_spec.bytes_per_token <= 2 * self.weight_bytes

@@ -20,7 +20,9 @@ deadline=$((SECONDS + budget))
 for run in "$@"; do
   left=$((deadline - SECONDS))
   [ "$left" -le 10 ] && { echo "== no time left for: $run"; break; }
-  name=$(echo "$run" | awk '{print $1}' | sed 's/.*\.//')
+  # the log is named after the run's --out file, or its module
+  name=$(echo "$run" | grep -o 'OUT/[^ ]*\.json' | sed 's/.*\///; s/\.json$//')
+  [ -n "$name" ] || name=$(echo "$run" | awk '{print $1}' | sed 's/.*\.//')
   echo "== $run (up to ${left} s)"
   eval timeout "$left" python3 -m "$run" 2>&1 | grep -v fork_posix | tee "$OUT/$name.log" | tail -40
 done

@@ -44,6 +44,7 @@ class Workload:
     rates: str
     prompts_per_rate: int
     repeat_prompts: bool = False  # every rate on the first rate's prompts (as before 915c65d)
+    engine_flags: tuple[str, ...] = ()  # more flags for the mesh's worker
 
     def engine(self, device: str) -> dict:
         return {"dtype": "bfloat16" if device == "cuda" else "float32", "device": device,
@@ -61,7 +62,7 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
 
     options = w.engine(device)
     argv = ["--device", device, "--dtype", options["dtype"], "--load-format", "dummy",
-            "--max-num-seqs", "256", "--max-model-len", "4096"]  # fmt: skip
+            "--max-num-seqs", "256", "--max-model-len", "4096", *w.engine_flags]  # fmt: skip
     mesh = Mesh(MeshSpec(model=str(folder), workers=1, port=0, engine_argv=argv))
     mesh.start(timeout=600)
     try:
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat-prompts", action="store_true", help="every rate on the "
                         "same prompts (device hits after the first rate), as serving.json's "
                         "sweep before 915c65d ran")  # fmt: skip
+    parser.add_argument("--engine-flags", default="", help="more flags for the mesh's "
+                        "worker, one string (--engine-flags=--no-graph-prompt-rows)")  # fmt: skip
     parser.add_argument("--peer-prompts", type=int, help="run the peer (and the engine again, "
                         "for the ratio) on the first N prompts only")  # fmt: skip
     args = parser.parse_args(argv)
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         rates=args.rates or w.rates,
         prompts_per_rate=args.prompts_per_rate or w.prompts_per_rate,
         repeat_prompts=args.repeat_prompts,
+        engine_flags=tuple(args.engine_flags.split()),
     )
     with Sections(args, script="serving", preset=w.preset) as section:
         device, out_dir = section.device, args.out.with_suffix("")
