@@ -12,6 +12,7 @@ _QUANTIZATIONS = ("none",)  # weights run in --dtype; no quantized kernels yet
 _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "triton", "torch")
 _BACKUPS = ("all", "reused")
+_RUNNERS = ("model", "mock")
 
 
 @dataclass(slots=True)
@@ -100,6 +101,17 @@ class EngineConfig:
     )
     micro_batch_decode_tokens: int = setting(32, "an all-decode step splits from this many tokens")
     micro_batch_prefill_tokens: int = setting(512, "any other step splits from this many tokens")
+    # A mock runner reads no weights: each step takes a modelled time and answers with
+    # deterministic tokens, the KV cache and its events as with a model, so the
+    # services around an engine are measured on any machine (engine/mock_runner.py).
+    model_runner: str = setting(
+        "model",
+        "model (run the checkpoint's weights) or mock (no weights: each step sleeps "
+        "--mock-step-ms plus --mock-token-us a token, and answers with deterministic tokens)",
+        choices=_RUNNERS,
+    )
+    mock_step_ms: float = setting(5.0, "mock runner: each step's fixed time, ms")
+    mock_token_us: float = setting(20.0, "mock runner: each new token's time in a step, us")
     # Benchmarks only: skews routing so expert balancing has something to balance.
     router_skew: float = setting(
         0.0,
@@ -133,6 +145,10 @@ class EngineConfig:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.micro_batch_decode_tokens < 1 or self.micro_batch_prefill_tokens < 1:
             raise ValueError("micro-batch token thresholds must be >= 1")
+        if self.model_runner not in _RUNNERS:
+            raise ValueError(f"model_runner must be one of {_RUNNERS}, got {self.model_runner!r}")
+        if self.mock_step_ms < 0 or self.mock_token_us < 0:
+            raise ValueError("mock_step_ms and mock_token_us must be >= 0")
         if self.router_skew < 0:
             raise ValueError(f"router_skew must be >= 0, got {self.router_skew}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:

@@ -26,6 +26,7 @@ from engine.facts import EngineFacts
 from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers import KVTiers
+from engine.mock_runner import MockRunner
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState, make_output
 from engine.outputs import RequestMetrics, RequestOutput
@@ -54,7 +55,8 @@ class LLMEngine:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len})"
             )
-        self.runner = ModelRunner(self.model_config, self.config, self.model_dir)
+        runner = MockRunner if self.config.model_runner == "mock" else ModelRunner
+        self.runner = runner(self.model_config, self.config, self.model_dir)
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
