@@ -3,6 +3,7 @@ alone and as a mesh's worker (the services around it are real)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -56,3 +57,17 @@ def test_a_mesh_of_mock_workers_streams_and_reports_its_kv_blocks(model_dir):
         again = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60).json()
         assert again["choices"][0]["text"] == want
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/mesh_overhead.py's dry run: every stream got all its tokens, alone and
+    through the mesh, and each service's CPU use was read."""
+    from bench.mesh_overhead import main
+
+    out = tmp_path / "overhead.json"
+    results = main(["--concurrency", "1,4", "--rounds", "2", "--step-ms", "2", "--out", str(out)])
+    assert [r["concurrency"] for r in results["by_concurrency"]] == [1, 4]
+    for row in results["by_concurrency"]:
+        assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]
+        assert row["mesh"]["ttft_p50_ms"] > 0 and row["cores"]["gateway"] > 0
+    assert json.loads(out.read_text())["by_concurrency"][1]["concurrency"] == 4

@@ -1,0 +1,191 @@
+"""What the mesh adds to a request, measured on any machine: the same mock engine
+(`--model-runner mock`: no weights, each step sleeps its modelled time) driven
+in this process through `AsyncLLM`, then as the one worker of a mesh behind the
+gateway and the scheduler, at each concurrency (closed loop: every client sends
+its next request when its last one ends).
+
+Per concurrency: time to first token (send → the first chunk that carries a
+token) and time per output token after it (the rest of the stream over the
+tokens after the first), percentiles over every request, the engine alone and
+through the mesh, and their differences; and each service's CPU use during the
+mesh's run, in cores.
+
+Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
+           [--step-ms 5] [--token-us 20] [--out bench/results/mesh_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bench.reliability.chaos import tiny_model
+from engine import SamplingParams
+from engine.async_llm import AsyncLLM
+from yinian.mesh import Mesh, MeshSpec
+
+PROMPT_LEN, OUTPUT_LEN = 128, 32
+
+
+def prompts(count: int, vocab: int = 500) -> list[list[int]]:
+    """Distinct prompts (no two share a first block: no prefix hits between them)."""
+    return [[(7 * i + 13 * j + i * j) % vocab for j in range(PROMPT_LEN)] for i in range(count)]
+
+
+def timing(sent: float, token_times: list[float]) -> dict:
+    ttft = token_times[0] - sent
+    rest = (token_times[-1] - token_times[0]) / max(1, OUTPUT_LEN - 1)
+    return {"ttft": ttft, "tpot": rest, "tokens": len(token_times)}
+
+
+async def engine_request(llm: AsyncLLM, rid: str, prompt: list[int]) -> dict:
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+    sent, times = time.perf_counter(), []
+    async for out in llm.generate(prompt, params, rid, delta=True):
+        now = time.perf_counter()
+        times.extend([now] * len(out.outputs[0].token_ids))
+    if len(times) != OUTPUT_LEN:
+        raise RuntimeError(f"the engine made {len(times)} tokens of {OUTPUT_LEN}")
+    return timing(sent, times)
+
+
+async def mesh_request(client: httpx.AsyncClient, url: str, model: str, prompt) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    sent, times, made = time.perf_counter(), [], 0
+    async with client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            made = (chunk.get("usage") or {}).get("completion_tokens", made)
+            for choice in chunk.get("choices") or []:
+                if choice.get("text") or choice.get("finish_reason") is None:
+                    times.append(now)  # a token's chunk (the closing one may carry none)
+    if made != OUTPUT_LEN or not times:
+        raise RuntimeError(f"a stream made {made} tokens of {OUTPUT_LEN}")
+    return timing(sent, times)
+
+
+async def closed_loop(send, concurrency: int, rounds: int) -> tuple[list[dict], float]:
+    """Every client sends `rounds` requests, one after another (after one request
+    that is not counted); all results, and the wall time."""
+    todo = prompts(concurrency * rounds + 1)
+    await send("warm-up", todo.pop())
+
+    async def client(c: int) -> list[dict]:
+        return [await send(f"r{c}-{r}", todo[c * rounds + r]) for r in range(rounds)]
+
+    start = time.perf_counter()
+    rows = await asyncio.gather(*(client(c) for c in range(concurrency)))
+    return [row for per in rows for row in per], time.perf_counter() - start
+
+
+def summary(rows: list[dict]) -> dict:
+    def pct(key: str, q: float) -> float:
+        values = sorted(r[key] for r in rows)
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3
+
+    return {"requests": len(rows), "ttft_p50_ms": pct("ttft", 0.5),
+            "ttft_p99_ms": pct("ttft", 0.99), "tpot_p50_ms": pct("tpot", 0.5),
+            "tpot_p99_ms": pct("tpot", 0.99)}  # fmt: skip
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int) -> list:
+    llm = AsyncLLM.from_model(str(folder), **options)
+    try:
+        rows, _ = await closed_loop(lambda rid, p: engine_request(llm, rid, p), concurrency, rounds)
+        return rows
+    finally:
+        llm.shutdown()
+
+
+async def through_mesh(url: str, model: str, concurrency: int, rounds: int):
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        return await closed_loop(
+            lambda rid, p: mesh_request(client, url, model, p), concurrency, rounds
+        )
+
+
+def engine_argv(args) -> list[str]:
+    return ["--model-runner", "mock", "--mock-step-ms", str(args.step_ms),
+            "--mock-token-us", str(args.token_us), "--max-num-seqs", "512",
+            "--num-gpu-blocks", "16384"]  # fmt: skip
+
+
+def run(args, folder: Path) -> dict:
+    options = {"model_runner": "mock", "mock_step_ms": args.step_ms,
+               "mock_token_us": args.token_us, "max_num_seqs": 512,
+               "num_gpu_blocks": 16384}  # fmt: skip
+    results = {"step_ms": args.step_ms, "token_us": args.token_us, "prompt_len": PROMPT_LEN,
+               "output_len": OUTPUT_LEN, "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
+    spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args))
+    with Mesh(spec) as mesh:
+        url = f"{mesh.url}/v1/completions"
+        pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
+        for c in args.concurrency:
+            alone = asyncio.run(engine_alone(folder, options, c, args.rounds))
+            before = cpu_seconds(pids)
+            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, args.rounds))
+            after = cpu_seconds(pids)
+            a, m = summary(alone), summary(meshed)
+            row = {"concurrency": c, "engine": a, "mesh": m,
+                   "added_ttft_p50_ms": m["ttft_p50_ms"] - a["ttft_p50_ms"],
+                   "added_ttft_p99_ms": m["ttft_p99_ms"] - a["ttft_p99_ms"],
+                   "added_tpot_p50_us": (m["tpot_p50_ms"] - a["tpot_p50_ms"]) * 1e3,
+                   "cores": {n: (after[n] - before[n]) / wall for n in pids}}  # fmt: skip
+            results["by_concurrency"].append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,64,512")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-ms", type=float, default=5.0)
+    parser.add_argument("--token-us", type=float, default=20.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(args, tiny_model(Path(tmp) / "tiny-llama"))
+    print_table(results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def print_table(results: dict) -> None:
+    print("| streams | TTFT p50 engine / mesh ms | TTFT p99 engine / mesh ms | TPOT p50 engine / "
+          "mesh ms | gateway, scheduler, worker cores |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for r in results["by_concurrency"]:
+        e, m, cores = r["engine"], r["mesh"], r["cores"]
+        print(f"| {r['concurrency']} | {e['ttft_p50_ms']:.2f} / {m['ttft_p50_ms']:.2f} | "
+              f"{e['ttft_p99_ms']:.2f} / {m['ttft_p99_ms']:.2f} | {e['tpot_p50_ms']:.3f} / "
+              f"{m['tpot_p50_ms']:.3f} | {cores.get('gateway', 0):.2f}, "
+              f"{cores.get('scheduler', 0):.2f}, {cores.get('worker-0', 0):.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
