@@ -72,6 +72,7 @@ EXPECTED = {
         "engine": "ok",
         "no_host": "ok",
     },  # fmt: skip
+    "prompt_rows": {"ceilings": "ok", "grid": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
     "mla": {
         "ceilings": "ok",

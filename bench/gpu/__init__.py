@@ -27,6 +27,7 @@ SCRIPTS = (
     "kv_serving",
     "host_writes",
     "hit_check",
+    "prompt_rows",
     "lend_copy",
     "experts",
     "parallel",
