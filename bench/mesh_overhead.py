@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import h11
 import psutil
 
 from bench.reliability.chaos import tiny_model
@@ -34,9 +34,10 @@ from yinian.mesh import Mesh, MeshSpec
 PROMPT_LEN, OUTPUT_LEN = 128, 32
 
 
-def prompts(count: int, vocab: int = 500) -> list[list[int]]:
+def prompts(count: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
     """Distinct prompts (no two share a first block: no prefix hits between them)."""
-    return [[(7 * i + 13 * j + i * j) % vocab for j in range(PROMPT_LEN)] for i in range(count)]
+    return [[(7 * i + 13 * j + i * j + seed * 101) % vocab for j in range(PROMPT_LEN)]
+            for i in range(count)]  # fmt: skip
 
 
 def timing(sent: float, token_times: list[float]) -> dict:
@@ -56,38 +57,76 @@ async def engine_request(llm: AsyncLLM, rid: str, prompt: list[int]) -> dict:
     return timing(sent, times)
 
 
-async def mesh_request(client: httpx.AsyncClient, url: str, model: str, prompt) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    sent, times, made = time.perf_counter(), [], 0
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+class MeshClient:
+    """One keep-alive HTTP/1.1 connection to the gateway (h11 over asyncio streams: a
+    client light enough to leave the cores to the mesh), its requests one at a time."""
+
+    def __init__(self, host: str, port: int, model: str):
+        self.host, self.port, self.model = host, port, model
+        self.reader = self.writer = None
+
+    async def send(self, rid: str, prompt: list[int]) -> dict:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": OUTPUT_LEN,
+                           "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+        conn = h11.Connection(h11.CLIENT)
+        headers = [("host", self.host), ("content-type", "application/json"),
+                   ("content-length", str(len(body)))]  # fmt: skip
+        sent, times, made, pending = time.perf_counter(), [], 0, b""
+        self.writer.write(conn.send(h11.Request(method="POST", target="/v1/completions",
+                                                headers=headers)))  # fmt: skip
+        self.writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await self.reader.read(65536))
+                continue
+            if isinstance(event, h11.Response) and event.status_code != 200:
+                raise RuntimeError(f"HTTP {event.status_code}")
+            if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                break
+            if not isinstance(event, h11.Data):
                 continue
             now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            made = (chunk.get("usage") or {}).get("completion_tokens", made)
-            for choice in chunk.get("choices") or []:
-                if choice.get("text") or choice.get("finish_reason") is None:
-                    times.append(now)  # a token's chunk (the closing one may carry none)
-    if made != OUTPUT_LEN or not times:
-        raise RuntimeError(f"a stream made {made} tokens of {OUTPUT_LEN}")
-    return timing(sent, times)
+            *events, pending = (pending + bytes(event.data)).split(b"\n\n")
+            for line in events:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                made = (chunk.get("usage") or {}).get("completion_tokens", made)
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") or choice.get("finish_reason") is None:
+                        times.append(now)  # a token's chunk (the closing one may carry none)
+        if made != OUTPUT_LEN or not times:
+            raise RuntimeError(f"a stream made {made} tokens of {OUTPUT_LEN}")
+        return timing(sent, times)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
-async def closed_loop(send, concurrency: int, rounds: int) -> tuple[list[dict], float]:
-    """Every client sends `rounds` requests, one after another (after one request
-    that is not counted); all results, and the wall time."""
-    todo = prompts(concurrency * rounds + 1)
-    await send("warm-up", todo.pop())
+class EngineClient:
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
 
-    async def client(c: int) -> list[dict]:
+    async def send(self, rid: str, prompt: list[int]) -> dict:
+        return await engine_request(self.llm, rid, prompt)
+
+
+async def closed_loop(clients: list, rounds: int, seed: int) -> tuple[list[dict], float]:
+    """Every client sends `rounds` requests, one after another; all results, and
+    the wall time."""
+    todo = prompts(len(clients) * rounds, seed=seed)
+
+    async def run(c: int) -> list[dict]:
+        send = clients[c].send
         return [await send(f"r{c}-{r}", todo[c * rounds + r]) for r in range(rounds)]
 
     start = time.perf_counter()
-    rows = await asyncio.gather(*(client(c) for c in range(concurrency)))
+    rows = await asyncio.gather(*(run(c) for c in range(len(clients))))
     return [row for per in rows for row in per], time.perf_counter() - start
 
 
@@ -109,21 +148,27 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int) -> list:
+async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int, seed: int):
     llm = AsyncLLM.from_model(str(folder), **options)
     try:
-        rows, _ = await closed_loop(lambda rid, p: engine_request(llm, rid, p), concurrency, rounds)
+        await engine_request(llm, "warm-up", prompts(1, seed=1)[0])  # not counted
+        rows, _ = await closed_loop([EngineClient(llm)] * concurrency, rounds, seed)
         return rows
     finally:
         llm.shutdown()
 
 
-async def through_mesh(url: str, model: str, concurrency: int, rounds: int):
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        return await closed_loop(
-            lambda rid, p: mesh_request(client, url, model, p), concurrency, rounds
-        )
+async def through_mesh(url: str, model: str, concurrency: int, rounds: int, seed: int):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    warm = MeshClient(host, int(port), model)
+    await warm.send("warm-up", prompts(1, seed=1)[0])  # not counted
+    warm.close()
+    clients = [MeshClient(host, int(port), model) for _ in range(concurrency)]
+    try:
+        return await closed_loop(clients, rounds, seed)
+    finally:
+        for client in clients:
+            client.close()
 
 
 def engine_argv(args) -> list[str]:
@@ -142,10 +187,10 @@ def run(args, folder: Path) -> dict:
     with Mesh(spec) as mesh:
         url = f"{mesh.url}/v1/completions"
         pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
-        for c in args.concurrency:
-            alone = asyncio.run(engine_alone(folder, options, c, args.rounds))
+        for k, c in enumerate(args.concurrency):  # each its own prompts: no prefix hits
+            alone = asyncio.run(engine_alone(folder, options, c, args.rounds, 10 + k))
             before = cpu_seconds(pids)
-            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, args.rounds))
+            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, args.rounds, 10 + k))
             after = cpu_seconds(pids)
             a, m = summary(alone), summary(meshed)
             row = {"concurrency": c, "engine": a, "mesh": m,
