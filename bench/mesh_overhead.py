@@ -11,7 +11,7 @@ through the mesh, and their differences; and each service's CPU use during the
 mesh's run, in cores.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
-           [--step-ms 5] [--token-us 20] [--out bench/results/mesh_overhead.json]
+           [--step-ms 5] [--token-us 20] [--traces] [--out bench/results/mesh_overhead.json]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import h11
 import psutil
 
+from bench.otlp_receiver import OtlpReceiver, stages
 from bench.reliability.chaos import tiny_model
 from engine import SamplingParams
 from engine.async_llm import AsyncLLM
@@ -183,7 +184,10 @@ def run(args, folder: Path) -> dict:
                "num_gpu_blocks": 16384}  # fmt: skip
     results = {"step_ms": args.step_ms, "token_us": args.token_us, "prompt_len": PROMPT_LEN,
                "output_len": OUTPUT_LEN, "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
-    spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args))
+    traces = OtlpReceiver().start() if args.traces else None
+    env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
+                                     "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
+    spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args), env=env)
     with Mesh(spec) as mesh:
         url = f"{mesh.url}/v1/completions"
         pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
@@ -200,6 +204,12 @@ def run(args, folder: Path) -> dict:
                    "cores": {n: (after[n] - before[n]) / wall for n in pids}}  # fmt: skip
             results["by_concurrency"].append(row)
             print(json.dumps(row), flush=True)
+    if traces is not None:  # where a request's time goes, service by service (medians)
+        time.sleep(1.0)  # the services' last span batches
+        results["stages"] = stages(traces.snapshot())
+        traces.stop()
+        for name, row in results["stages"].items():
+            print(f"  {name:48} +{row['start_ms']:7.2f} ms  {row['ms']:7.2f} ms  ({row['n']})")
     return results
 
 
@@ -209,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--token-us", type=float, default=20.0)
+    parser.add_argument("--traces", action="store_true", help="the services export their "
+                        "spans (which slows them); the result adds each stage's median start "
+                        "and length")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
