@@ -306,11 +306,15 @@ class ModelRunner:
 
     def rows_pay(self, seqs: list[Sequence], num_new: list[int]) -> bool:
         """Whether a step with prompt chunks runs in the decode graphs, a row per new
-        token (`prepare(as_rows=True)`): when its tokens fit the largest graph and
-        the rows' attention reads (every row reads its whole prefix) come to at
-        most twice the weights' bytes, so the step costs at most about three
-        decode steps' reads, less than launching the eager forward pass op by op
-        (a few new tokens after a long cached prefix, a short prompt)."""
+        token (`prepare(as_rows=True)`), rather than as the eager pass. Only if its
+        tokens fit the largest graph. Each row reads its whole prefix, where the eager
+        pass reads a chunk's prefix about once: the rows cost reads, the eager pass
+        costs launching op by op. With no decode in the step (a lone prefix hit, short
+        prompts) nothing hides those launches: rows while their reads come to at most
+        twice the weights' bytes. Beside decodes, under async scheduling the launches
+        hide behind the step before: rows only while what they read beyond the eager
+        pass stays within a quarter of the weights' bytes (a few tokens after a cached
+        prefix, not a long prompt's tail)."""
         total = sum(num_new)
         if (
             self.graphs is None
@@ -319,8 +323,15 @@ class ModelRunner:
             or total == len(seqs)
         ):
             return False
-        context = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(seqs, num_new))
-        return context * self.kv_spec.bytes_per_token <= 2 * self.weight_bytes
+        per_token, weights = self.kv_spec.bytes_per_token, self.weight_bytes
+        pairs = list(zip(seqs, num_new))
+        reads = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in pairs)
+        if reads * per_token > 2 * weights:
+            return False
+        if all(n > 1 for n in num_new):
+            return True
+        beyond = sum((n - 1) * s.num_computed_tokens + n * (n - 1) // 2 for s, n in pairs)
+        return beyond * per_token * 4 <= weights
 
     def _launch(self, seqs, num_new, block_tables, force_eager):
         as_rows = not force_eager and self.rows_pay(seqs, num_new)

@@ -10,6 +10,7 @@ from test_hf_parity import engine_logits, random_prompts
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs, batch_buckets
+from engine.sequence import Sequence
 from kernels import ops
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -99,3 +100,27 @@ def test_an_engine_with_decode_graphs_answers_as_without(model_dir):
     assert got[3].num_cached_tokens == 32
     # the 3-token prompt and the 9 tokens after the cached 32 as rows; 40 do not fit 16
     assert launched[0] is True and launched[-5] is True and launched[5] is False
+
+
+def test_prompt_rows_run_beside_decodes_only_when_they_read_little_more(model_dir):
+    """Alone, a chunk after a cached prefix runs as rows while their reads stay within
+    twice the weights' bytes; beside a decode, only while what the rows read beyond
+    the eager pass stays within a quarter of them."""
+    llm = LLM(model_dir("tiny-llama"), device="cpu")
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner, max_batch=16, max_seq_len=512)
+    per_weights = runner.weight_bytes / runner.kv_spec.bytes_per_token  # tokens' worth
+
+    def seq(cached: int) -> Sequence:
+        s = Sequence("s", "s", 0, list(range(cached + 9)), SamplingParams(), frozenset())
+        s.num_computed_tokens = cached
+        return s
+
+    long, short = int(per_weights * 0.15), int(per_weights * 0.01)
+    assert runner.rows_pay([seq(long)], [9])  # alone: 9 rows over ~0.15 W each
+    assert not runner.rows_pay([seq(long), seq(50)], [9, 1])  # beside a decode: 8 x 0.15 W more
+    assert runner.rows_pay([seq(short), seq(50)], [9, 1])  # 8 x 0.01 W more
+    assert not runner.rows_pay([seq(int(per_weights * 0.3))], [9])  # alone, past 2 W
+    assert not runner.rows_pay([seq(short), seq(50)], [16, 1])  # 17 rows: past the graphs
+    runner.config.graph_prompt_rows = False
+    assert not runner.rows_pay([seq(short)], [9])
