@@ -79,8 +79,8 @@ class EngineConfig:
     graph_prompt_rows: bool = setting(
         True,
         "run a step of short prompt chunks (a short prompt, a few tokens after a long cached "
-        "prefix) in the decode CUDA graphs, a row per token, where its attention reads stay "
-        "within twice the weights' bytes",
+        "prefix) in the decode CUDA graphs, a row per token, where the rows' extra attention "
+        "reads cost less than launching the eager pass (ModelRunner.rows_pay)",
     )
     tensor_parallel_size: int = setting(
         1, "ranks a layer's weights are split over (one process and device each)"
