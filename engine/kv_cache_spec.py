@@ -57,6 +57,10 @@ class KVCacheSpec:
         """One block across all layers."""
         return self.bytes_per_block_per_layer * self.num_layers
 
+    def blocks_in(self, nbytes: int) -> int:
+        """The blocks `nbytes` hold, at least 2 (the null block and one to use)."""
+        return max(2, nbytes // self.bytes_per_block)
+
     @property
     def bytes_per_token(self) -> int:
         """One token across all layers: what a context of n tokens costs, n times over."""

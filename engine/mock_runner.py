@@ -39,9 +39,7 @@ class MockRunner:
         self.block_size = config.block_size
         self.kernel_mode, self.backend, self.graphs = "torch", None, None
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
-        self.num_blocks = config.num_gpu_blocks or max(
-            2, config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block
-        )
+        self.num_blocks = config.num_gpu_blocks or self.kv_spec.blocks_in(config.cpu_kv_cache_bytes)
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.model: _NoModel | None = _NoModel()
         self.sampler = Sampler(self.device, config.seed)

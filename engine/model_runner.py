@@ -179,7 +179,7 @@ class ModelRunner:
     # -- KV cache ------------------------------------------------------------
     def _blocks_that_fit(self) -> int:
         if self.device.type != "cuda":
-            return max(2, self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block)
+            return self.kv_spec.blocks_in(self.config.cpu_kv_cache_bytes)
         # This engine's share of the device is gpu_memory_utilization of it, less what
         # this process holds (weights, workspaces); other processes on the device (a
         # second worker) count only through what is still free.

@@ -118,7 +118,8 @@ def grid(folder, setup: dict, device: str) -> list[dict]:
                     timer.mode = ""
                     point[mode] = {k: statistics.median(t[k] for t in timer.timed)
                                    for k in ("launch_ms", "device_ms")}  # fmt: skip
-                    point["rule_takes_rows"] = bool(timer.rule and timer.rule[0])
+                    if mode == "rows":  # the rule sees the same shape both times
+                        point["rule_takes_rows"] = bool(timer.rule and timer.rule[0])
                 r, e = point["rows"], point["eager"]
                 point["rows_pay"] = r["device_ms"] < max(e["launch_ms"], e["device_ms"])
                 rows.append(point)
