@@ -225,6 +225,27 @@ def test_max_active_conversations_lets_a_user_finish_before_the_next_starts(
     assert r["max_concurrent_requests"] == 2
 
 
+def test_a_rate_paces_turns_in_the_order_they_become_ready(server, tok_dir, tmp_path):
+    # One conversation under way at a time, 10 turns a second: a user's second turn takes
+    # the schedule's next time once its first is done, not the time of the list's
+    # fourth request (every first turn comes before any second in the list).
+    server.configure(first_token_s=0.01, interval_s=0.002, num_tokens=4)
+    rc, r = multi_turn(
+        server, tok_dir, tmp_path, 3, "--max-active-conversations", "1",
+        "--request-rate", "10", "--seed", "5",
+    )  # fmt: skip
+    assert rc == 0 and r["completed"] == 9
+    order = np.argsort(r["start_times"])
+    sent = [(r["conversation_ids"][i], r["turns"][i]) for i in order]
+    assert sent == [(u, t) for u in range(3) for t in range(3)]
+    slots = arrival_offsets(9, 10.0, 1.0, seed=5)
+    end = 0.0
+    for k, i in enumerate(order):  # each send at its slot, or when the turn before ends
+        expected = max(slots[k], end)
+        assert r["start_times"][i] == pytest.approx(expected, abs=0.03)
+        end = r["start_times"][i] + r["e2els"][i]
+
+
 def test_sharegpt_first_two_turns_and_vllm_filters(tok, tmp_path):
     long = " ".join(["word"] * 1200)
     data = [

@@ -7,7 +7,12 @@ in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
 multi-turn request waits for its conversation's previous turn to finish;
 `max_active_conversations` caps the conversations under way (one starts when
 one has sent its last turn), so that its users come back while their history
-is fresh, instead of every user's first turn before any second turn.
+is fresh, instead of every user's first turn before any second turn. With
+conversations the schedule paces sends, not list positions: a turn that is
+ready (its previous turn done, its conversation under way) takes the
+schedule's next free time, so at rate R turns go out at R a second in the
+order they become ready (tied to positions, a user's second turn would wait
+for every first turn's time to pass).
 A sweep repeats the run at each rate of `request_rates`, each on its own list
 of requests.
 
@@ -109,6 +114,8 @@ async def run_load(
     active = (
         asyncio.Semaphore(cfg.max_active_conversations) if cfg.max_active_conversations else None
     )
+    # Conversations: each send takes the schedule's next time once its turn is ready.
+    slots = iter(offsets) if turn_done else None
     last_turn: dict[int, int] = {}
     started: set[int] = set()  # conversations holding a place in `active`
     for r in requests:
@@ -126,6 +133,10 @@ async def run_load(
             elif conversation:
                 await active.acquire()  # its first turn: a conversation starts
                 started.add(req.conversation_id)
+            if slots is not None:
+                delay = t0 + next(slots) - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             if gate is None:
                 return await send_request(client, inp)
             async with gate:
@@ -150,7 +161,7 @@ async def run_load(
         for req, inp, offset in zip(requests, inputs, offsets):
             # Absolute schedule, so time spent creating tasks does not stretch the gaps.
             delay = t0 + offset - time.perf_counter()
-            if delay > 0:
+            if delay > 0 and slots is None:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(client, req, inp)))
         results = list(await asyncio.gather(*tasks))
