@@ -7,29 +7,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from basis.model_config import ModelConfig
-from engine.attention import AttentionMetadata, get_backend
+from engine import step_inputs
+from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.grammar import masks_for
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.moe_settings import apply_moe_settings
-from engine.parallel import comm, step_wire
+from engine.parallel import comm
 from engine.parallel import state as parallel_state
 from engine.parallel.comm import agree_min
 from engine.parallel.launcher import Followers, config_options
 from engine.parallel.pipeline import PendingLogits, PipelinedSample, StageLink
 from engine.parallel.sharding import ShardPlan
 from engine.parallel.stages import StagePlan
-from engine.parallel.step_wire import StepShape
 from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
+from engine.step_inputs import StepInputs, prepare_step
 from kernels import ops
 
 _CONTEXT_BYTES = 512 << 20  # the CUDA context's memory, outside the allocator
@@ -37,15 +36,6 @@ _CONTEXT_BYTES = 512 << 20  # the CUDA context's memory, outside the allocator
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # flat row whose logits each sampled sequence needs
-    sample_seqs: list[Sequence]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,74 +198,9 @@ class ModelRunner:
         block_tables: list[list[int]],
         as_rows: bool = False,
     ) -> StepInputs:
-        """The step's inputs on the device. Everything is staged in two host buffers
-        (pinned on CUDA) and moved in two copies; a sequence's pending token (async
-        scheduling) is read on the device from the step that sampled it.
-
-        `as_rows`: every new token is a row of its own, as in a decode step (query
-        length 1, its sequence's block table, its position + 1 tokens cached): the
-        attention layers write every row's K/V before any row attends, so a row
-        sees the tokens before it in its chunk, and the step is exactly the prompt
-        chunk's, in the shape the decode graphs replay."""
-        bs, batch, total = self.block_size, len(seqs), sum(num_new)
-        max_blocks = max(len(t) for t in block_tables)
-        known = [
-            min(n, len(s.all_token_ids) - s.num_computed_tokens) for s, n in zip(seqs, num_new)
-        ]
-        sampled = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new)]
-        n_rows = total if as_rows else batch  # rows of the attention metadata
-        shape = StepShape(total, n_rows, total - sum(known), max_blocks, sum(sampled))
-        # int64: ids, positions, slots, sample rows, pending rows, their sources; int32:
-        # query starts, sequence lengths, block tables. Segments start 16-byte aligned.
-        wide, narrow = shape.wide, shape.narrow
-        pin = self.device.type == "cuda"
-        h64 = torch.empty(wide.size, dtype=torch.int64, pin_memory=pin)
-        h32 = torch.zeros(narrow.size, dtype=torch.int32, pin_memory=pin)
-        ids, positions, slots, rows, pend_rows, pend_src = wide.views(h64.numpy())
-        query_start, seq_lens, tables = narrow.views(h32.numpy())
-        tables = tables.reshape(n_rows, max_blocks)
-        sample_seqs: list[Sequence] = []
-        source = None  # the in-flight step's sampled tokens (async scheduling)
-        start = p = 0
-        for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
-            c = seq.num_computed_tokens
-            ids[start : start + k] = seq.all_token_ids[c : c + k]
-            if k < n:  # its last token is pending: known only on the device
-                tensor, index = seq.pending_token
-                if n - k != 1 or (source is not None and tensor is not source):
-                    raise RuntimeError("a step may read one pending token per sequence, "
-                                       "all from the step before it")  # fmt: skip
-                source = tensor
-                ids[start + k], pend_rows[p], pend_src[p] = 0, start + k, index
-                p += 1
-            positions[start : start + n] = np.arange(c, c + n)
-            if as_rows:
-                tables[start : start + n, : len(table)] = table
-                seq_lens[start : start + n] = np.arange(c + 1, c + n + 1)
-            else:
-                tables[i, : len(table)] = table
-                seq_lens[i] = c + n
-                query_start[i + 1] = start + n
-            start += n
-            if sampled[i]:
-                rows[len(sample_seqs)] = start - 1
-                sample_seqs.append(seq)
-        if as_rows:
-            query_start[:] = np.arange(total + 1)
-            row_of = np.arange(total)
-        else:
-            row_of = np.repeat(np.arange(batch), num_new)
-        slots[:] = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
-        d64, d32 = h64.to(dev, non_blocking=True), h32.to(dev, non_blocking=True)
-        ids_d, _, _, _, pend_rows_d, pend_src_d = wide.views(d64)
-        if source is not None:
-            ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
-        if self.followers is not None:  # the other ranks run the same step
-            self.followers.send(shape, d64, d32)
-        query_lens = [1] * total if as_rows else num_new
-        t = step_wire.unpack(shape, d64, d32, query_lens, seq_lens.tolist())
-        return StepInputs(t.input_ids, t.positions, t.meta, t.sample_rows, sample_seqs)
+        """The step's inputs on the device (`prepare_step`)."""
+        return prepare_step(seqs, num_new, block_tables, self.block_size, self.device,
+                            self.followers, as_rows)  # fmt: skip
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -305,33 +230,13 @@ class ModelRunner:
             self.steps += 1
 
     def rows_pay(self, seqs: list[Sequence], num_new: list[int]) -> bool:
-        """Whether a step with prompt chunks runs in the decode graphs, a row per new
-        token (`prepare(as_rows=True)`), rather than as the eager pass. Only if its
-        tokens fit the largest graph. Each row reads its whole prefix, where the eager
-        pass reads a chunk's prefix about once: the rows cost reads, the eager pass
-        costs launching op by op. With no decode in the step (a lone prefix hit, short
-        prompts) nothing hides those launches: rows while their reads come to at most
-        twice the weights' bytes. Beside decodes, under async scheduling the launches
-        hide behind the step before: rows only while what they read beyond the eager
-        pass stays within a quarter of the weights' bytes (a few tokens after a cached
-        prefix, not a long prompt's tail)."""
-        total = sum(num_new)
-        if (
-            self.graphs is None
-            or not self.config.graph_prompt_rows
-            or total > self.graphs.max_batch
-            or total == len(seqs)
-        ):
+        """Whether this step's prompt chunks run in the decode graphs as rows
+        (`step_inputs.rows_pay`; never without graphs or with the flag off)."""
+        if self.graphs is None or not self.config.graph_prompt_rows:
             return False
-        per_token, weights = self.kv_spec.bytes_per_token, self.weight_bytes
-        pairs = list(zip(seqs, num_new))
-        reads = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in pairs)
-        if reads * per_token > 2 * weights:
-            return False
-        if all(n > 1 for n in num_new):
-            return True
-        beyond = sum((n - 1) * s.num_computed_tokens + n * (n - 1) // 2 for s, n in pairs)
-        return beyond * per_token * 4 <= weights
+        per_token = self.kv_spec.bytes_per_token
+        return step_inputs.rows_pay(seqs, num_new, self.graphs.max_batch, per_token,
+                                    self.weight_bytes)  # fmt: skip
 
     def _launch(self, seqs, num_new, block_tables, force_eager):
         as_rows = not force_eager and self.rows_pay(seqs, num_new)
