@@ -30,7 +30,7 @@ def _scripts(name: str) -> tuple[str, str]:
     """The `sh -c` script of the compose service and of the k8s container `name`."""
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     script = compose["services"][name]["entrypoint"][2].replace("$$", "$")  # compose's escape
-    docs = yaml.safe_load_all((DEPLOY / "k8s" / f"{name}.yaml").read_text())
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / "base" / f"{name}.yaml").read_text())
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     return script, pod["containers"][0]["command"][2]
 
