@@ -58,6 +58,31 @@ def cache_dir() -> Path:
     return Path(os.environ.get("YINIAN_KERNEL_CACHE", default))
 
 
+# Choices tuned on devices we ran, shipped with the package (as the on-disk cache's
+# files: kernels/tuned/<device>__triton-<version>.json), so that a fresh machine with
+# such a device compiles only the chosen configurations instead of tuning every
+# candidate. Its own cache's choices come first; YINIAN_KERNEL_SHIPPED=0 ignores these.
+SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"
+SELECTORS: list[Selector] = []  # every operator's selector, as its module defines it
+
+
+def cache_file_name(device: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
+    return f"{safe}__triton-{triton_version()}.json"
+
+
+def shipped_choices(device: str) -> dict[str, dict[str, dict]]:
+    """{op: {bucket: choice}} shipped for this device and Triton version ({} if none)."""
+    if os.environ.get("YINIAN_KERNEL_SHIPPED", "1") == "0":
+        return {}
+    path = SHIPPED_DIR / cache_file_name(device)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        logger.warning("ignoring unreadable shipped kernel choices %s", path)
+        return {}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -85,9 +110,8 @@ class _DiskCache:
     _lock = threading.Lock()
 
     def __init__(self, device: str):
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
-        self.path = cache_dir() / f"{safe}__triton-{triton_version()}.json"
-        self.data: dict[str, dict[str, dict]] = {}
+        self.path = cache_dir() / cache_file_name(device)
+        self.data = shipped_choices(device)  # under what this machine chose itself
         self.reload()
 
     def reload(self) -> None:
@@ -218,6 +242,7 @@ class Selector:
         ]
         self._memo: dict[tuple[str, str], Candidate] = {}
         self._usable: dict[str, list[Candidate]] = {}
+        SELECTORS.append(self)
 
     def usable(self, device: torch.device) -> list[Candidate]:
         """The candidates whose variant this device supports, in declaration order."""

@@ -97,6 +97,52 @@ def test_a_choice_another_process_made_meanwhile_wins(fresh_cache):
     assert sel.choose(x) == Candidate("slow", (("delay", 0.01),))
 
 
+def test_shipped_choices_spare_a_fresh_machine_the_tuning(fresh_cache, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(selection, "SHIPPED_DIR", shipped)
+    bucket = "(4, 'torch.float32')"
+    choice = {"variant": "slow", "config": {"delay": 0.01}, "ms": 0.5}
+    (shipped / selection.cache_file_name("cpu")).write_text(json.dumps({"toy": {bucket: choice}}))
+
+    def no_timing(fn):
+        raise AssertionError("must not tune: the choice was shipped")
+
+    assert make_selector([], timer=no_timing).choose(torch.ones(3)) == Candidate(
+        "slow", (("delay", 0.01),)
+    )
+    # this machine's own choice comes first
+    selection._CACHES.clear()
+    own = {"toy": {bucket: {"variant": "fast", "config": {"scale": 1}, "ms": 0.1}}}
+    (fresh_cache / selection.cache_file_name("cpu")).write_text(json.dumps(own))
+    assert make_selector([], timer=no_timing).choose(torch.ones(3)).variant == "fast"
+    # YINIAN_KERNEL_SHIPPED=0: tuned as without them
+    selection._CACHES.clear()
+    (fresh_cache / selection.cache_file_name("cpu")).unlink()
+    monkeypatch.setenv("YINIAN_KERNEL_SHIPPED", "0")
+    calls: list = []
+    assert make_selector(calls).choose(torch.ones(3)).variant == "fast"
+    assert ("slow", 0.01) in calls  # every candidate was timed
+
+
+def test_every_shipped_choice_is_a_candidate_of_its_kernel():
+    import importlib
+
+    kernels = ("activation", "decode_attention", "extend_attention", "fused_moe", "grouped_topk",
+               "mla_decode", "mla_rotary", "moe_routing", "norm", "rotary")  # fmt: skip
+    for name in kernels:
+        importlib.import_module(f"kernels.{name}")
+    selectors = {s.cache_key: s for s in selection.SELECTORS}
+    files = sorted(selection.SHIPPED_DIR.glob("*.json"))
+    assert files, "kernels/tuned ships no choices"
+    for path in files:
+        for op, buckets in json.loads(path.read_text()).items():
+            assert op in selectors, f"{path.name}: no kernel named {op} (a stale revision?)"
+            for bucket, choice in buckets.items():
+                candidate = Candidate.from_json(choice)
+                assert candidate in selectors[op].candidates, (path.name, op, bucket, choice)
+
+
 def test_on_cpu_without_tuning_the_first_candidate_is_used(caplog):
     calls: list = []
     sel = Selector(
