@@ -95,3 +95,20 @@ def test_placement_errors():
     worker(registry, "a", running=16)
     with pytest.raises(Saturated):
         place(registry, index, policy, H, 170)
+
+
+def test_the_placement_benchmark_times_every_worker_count(tmp_path):
+    """bench/placement.py at small sizes: a row per worker count, every request placed,
+    next turns found on the worker that holds their history."""
+    import json
+
+    from bench.placement import main
+
+    out = tmp_path / "placement.json"
+    assert main(["--workers", "3,12", "--requests", "40", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workers"] for r in rows] == [3, 12]
+    for row in rows:
+        assert row["requests"] == 40 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+        # every prompt starts with the 32-block system prompt every worker holds
+        assert row["mean_matched_blocks"] >= 32
