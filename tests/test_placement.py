@@ -112,3 +112,63 @@ def test_the_placement_benchmark_times_every_worker_count(tmp_path):
         assert row["requests"] == 40 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
         # every prompt starts with the 32-block system prompt every worker holds
         assert row["mean_matched_blocks"] >= 32
+
+
+def _random_index(rng, prompt, workers) -> KvIndex:
+    index = KvIndex()
+    for w in workers:
+        gpu = [h for h in prompt if rng.random() < 0.6]
+        host = [h for h in prompt if rng.random() < 0.3]
+        index.apply(w, 0, {GPU: (gpu, []), HOST: (host, [])}, reset=True)
+        if rng.random() < 0.3:  # some leave the GPU tier
+            index.apply(w, 1, {GPU: ([], [h for h in prompt if rng.random() < 0.3])})
+    if rng.random() < 0.5:
+        shared = [h for h in prompt if rng.random() < 0.7]
+        index.apply(SHARED_HOLDER, 0, {SHARED: (shared, [])}, reset=True)
+    return index
+
+
+def test_prefix_groups_count_each_holder_as_its_own_walk_does():
+    import random
+    from collections import Counter
+
+    for seed in range(400):
+        rng = random.Random(seed)
+        prompt = [rng.getrandbits(40) for _ in range(rng.randrange(0, 12))]
+        workers = [f"w{i}" for i in range(rng.randrange(1, 7))]
+        index = _random_index(rng, prompt, workers)
+        asked = {w for w in workers if rng.random() < 0.8}
+        got = {w: counts for counts, ids in index.prefix_groups(prompt, asked) for w in ids}
+        tiers = {w: Counter(index.prefix_by_tier(w, prompt)) for w in asked}
+        assert got == {w: (t[GPU], t[HOST], t[SHARED]) for w, t in tiers.items()}, seed
+
+
+def test_placement_chooses_as_the_cost_of_each_worker_says():
+    """The grouped walk chooses the worker that the cost formula, worker by worker,
+    ranks first (ties: less loaded, then first registered)."""
+    import random
+
+    policy = PlacementPolicy()
+    for seed in range(300):
+        rng = random.Random(seed)
+        prompt = [rng.getrandbits(40) for _ in range(rng.randrange(1, 10))]
+        names = [f"w{i}" for i in range(rng.randrange(1, 8))]
+        index, registry = _random_index(rng, prompt, names), Registry()
+        for name in names:
+            registry.register(WorkerState(name, "addr", "colocated", rng.choice([16, 32]), 4))
+            registry.on_load(name, rng.randrange(0, 4), rng.randrange(0, 2),
+                             rng.choice([0.0, 0.5]))  # fmt: skip
+        tokens = len(prompt) * 32 + rng.randrange(0, 16)  # every block size's blocks
+
+        def cost(w, index=index, prompt=prompt, tokens=tokens):
+            tiers = index.prefix_by_tier(w.worker_id, prompt)
+            work = max(tokens - len(tiers) * w.block_size, 0) + w.block_size * (
+                tiers.count(HOST) * policy.host_hit_weight
+                + tiers.count(SHARED) * policy.shared_hit_weight
+            )
+            load = w.load / policy.capacity(w) + 0.25 * w.kv_usage
+            return (work / policy.tokens_per_load + load, w.load)
+
+        workers = list(registry.workers.values())
+        expected = min(workers, key=cost)
+        assert place(registry, index, policy, prompt, tokens).worker is expected, seed

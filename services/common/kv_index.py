@@ -12,11 +12,13 @@ The scheduler keeps one for placement, the KV store keeps one for Lookup.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 
 GPU, HOST, SHARED = "gpu", "host", "shared"
 TIERS = (GPU, HOST, SHARED)
 SHARED_HOLDER = "shared"  # the holder id of the shared tier
+_EMPTY: frozenset[str] = frozenset()
 
 
 class KvIndex:
@@ -24,6 +26,7 @@ class KvIndex:
         # (holder, tier) -> block hashes; hash -> {(holder, tier)}
         self._blocks: dict[tuple[str, str], set[int]] = defaultdict(set)
         self._holders: dict[int, set[tuple[str, str]]] = defaultdict(set)
+        self._ids: dict[tuple[int, str], set[str]] = {}  # (hash, tier) -> holders
         self._last_event: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         self.gaps = 0
@@ -58,6 +61,7 @@ class KvIndex:
             blocks = self._blocks[key]
             for h in stored:
                 self._holders[h].add(key)
+                self._ids.setdefault((h, tier), set()).add(holder)
                 blocks.add(h)
             for h in removed:
                 self._drop(h, key)
@@ -77,6 +81,11 @@ class KvIndex:
             holders.discard(key)
             if not holders:
                 del self._holders[h]
+        ids = self._ids.get((h, key[1]))
+        if ids is not None:
+            ids.discard(key[0])
+            if not ids:
+                del self._ids[(h, key[1])]
 
     # -- queries -------------------------------------------------------------
     def holds_any(self, holder: str, tier: str, block_hashes) -> bool:
@@ -113,6 +122,50 @@ class KvIndex:
             else:
                 break
         return out
+
+    def prefix_groups(self, block_hashes, holders) -> list[tuple[tuple[int, int, int], set[str]]]:
+        """`holders` grouped by what `prefix_by_tier` gives each for this prompt, as
+        ((GPU, host, shared) block counts, holders): one walk over the prompt's
+        blocks for all of them, the holders that keep matching kept as a set, so a
+        prefix that a thousand workers hold costs a few set operations a block."""
+        active, extra = set(holders), {}  # extra: holder -> [host, shared] of its own
+        bulk: list[int] = []  # depths where every active holder read the shared tier
+        ended: list[tuple[int, set[str]]] = []  # (depth, holders whose prefix ends there)
+        depth = 0
+        for depth, h in enumerate(block_hashes):
+            gpu = self._ids.get((h, GPU), _EMPTY)
+            host = self._ids.get((h, HOST), _EMPTY)
+            if SHARED_HOLDER not in self._ids.get((h, SHARED), _EMPTY):
+                own = gpu | host if host else gpu
+                if not active <= own:
+                    gone = active - own
+                    ended.append((depth, gone))
+                    active -= gone
+                    if not active:
+                        break
+            if active <= gpu:
+                continue
+            rest = active - gpu
+            if not host and len(rest) == len(active):  # all of them: the shared tier's
+                bulk.append(depth)
+                continue
+            for holder in rest:
+                counts = extra.setdefault(holder, [0, 0])
+                counts[0 if holder in host else 1] += 1
+        else:
+            depth = len(block_hashes)
+        if active:
+            ended.append((depth, active))
+        groups: dict[tuple[int, int, int], set[str]] = defaultdict(set)
+        for end, ended_here in ended:
+            shared = bisect_left(bulk, end)
+            plain = ended_here - extra.keys() if extra else ended_here
+            if plain:
+                groups[(end - shared, 0, shared)] |= plain
+            for holder in ended_here & extra.keys() if extra else ():
+                host, own_shared = extra[holder]
+                groups[(end - shared - host - own_shared, host, shared + own_shared)].add(holder)
+        return list(groups.items())
 
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
         return set(self._holders.get(block_hash, ()))

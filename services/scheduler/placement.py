@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import Saturated, WorkerUnavailable
-from services.common.kv_index import HOST, SHARED, KvIndex
+from services.common.kv_index import KvIndex
 from services.scheduler.registry import Registry, WorkerState
 
 
@@ -43,18 +43,6 @@ class Decision:
     refused_prefills: int = 0  # ready prefill workers whose KV layout differs
 
 
-def prompt_cost(
-    w: WorkerState, index: KvIndex, policy: PlacementPolicy, block_hashes, prompt_tokens: int
-) -> float:
-    """The prompt's work on `w`, in recomputed-token equivalents."""
-    tiers = index.prefix_by_tier(w.worker_id, block_hashes)
-    cached = len(tiers) * w.block_size
-    loaded = w.block_size * (
-        tiers.count(HOST) * policy.host_hit_weight + tiers.count(SHARED) * policy.shared_hit_weight
-    )
-    return max(prompt_tokens - cached, 0) + loaded
-
-
 def _best(
     workers: list[WorkerState],
     index: KvIndex,
@@ -62,13 +50,28 @@ def _best(
     block_hashes,
     prompt_tokens: int,
 ) -> WorkerState:
-    def cost(w: WorkerState) -> tuple[float, int]:
-        work = prompt_cost(w, index, policy, block_hashes, prompt_tokens)
-        # load normalised by capacity, so workers of different sizes compare
-        load = w.load / policy.capacity(w) + 0.25 * w.kv_usage
-        return (work / policy.tokens_per_load + load, w.load)
-
-    return min(workers, key=cost)
+    """The worker of least cost: the prompt's work there (the tokens it must compute,
+    plus what loading the blocks in its host tier or the shared tier costs in
+    recomputed-token equivalents) in loads, plus its load normalised by capacity (so
+    workers of different sizes compare); ties to the less loaded, then to the first.
+    Workers whose prefixes count alike are found in one walk over the prompt
+    (`KvIndex.prefix_groups`), not one walk each."""
+    order = {w.worker_id: (i, w) for i, w in enumerate(workers)}
+    host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
+    per_load, extra = policy.tokens_per_load, policy.max_waiting
+    best_key, best = None, None
+    for (gpu, host, shared), ids in index.prefix_groups(block_hashes, order.keys()):
+        cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
+        for worker_id in ids:
+            i, w = order[worker_id]
+            work = max(prompt_tokens - cached_blocks * w.block_size, 0)
+            work += w.block_size * loaded_blocks
+            load = w.running + w.waiting + w.pending
+            capacity = w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
+            key = (work / per_load + load / capacity + 0.25 * w.kv_usage, load, i)
+            if best_key is None or key < best_key:
+                best_key, best = key, w
+    return best
 
 
 def place(
@@ -83,7 +86,13 @@ def place(
     candidates = [w for w in registry.ready() if w.role in roles and w.worker_id not in exclude]
     if not candidates:
         raise WorkerUnavailable("no ready worker to serve the request")
-    open_ = [w for w in candidates if w.load < policy.capacity(w)]
+    extra = policy.max_waiting  # policy.capacity, inline: this runs over every worker
+    open_ = [
+        w
+        for w in candidates
+        if w.running + w.waiting + w.pending
+        < w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
+    ]
     if not open_:
         raise Saturated("every worker is at capacity", retry_after=policy.retry_after)
     prompt_tokens = max(prompt_tokens, len(block_hashes) * max(w.block_size for w in open_))

@@ -72,10 +72,11 @@ class Registry:
         return self.clock() - state.last_seen <= self.heartbeat_timeout
 
     def ready(self, role: str | None = None) -> list[WorkerState]:
+        since = self.clock() - self.heartbeat_timeout  # one clock read for all of them
         return [
             w
             for w in self.workers.values()
-            if self.is_ready(w) and (role is None or w.role == role)
+            if w.last_seen >= since and (role is None or w.role == role)
         ]
 
     def expire(self) -> list[WorkerState]:
