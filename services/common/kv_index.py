@@ -23,10 +23,9 @@ _EMPTY: frozenset[str] = frozenset()
 
 class KvIndex:
     def __init__(self):
-        # (holder, tier) -> block hashes; hash -> {(holder, tier)}
+        # (holder, tier) -> block hashes; (hash, tier) -> holders
         self._blocks: dict[tuple[str, str], set[int]] = defaultdict(set)
-        self._holders: dict[int, set[tuple[str, str]]] = defaultdict(set)
-        self._ids: dict[tuple[int, str], set[str]] = {}  # (hash, tier) -> holders
+        self._ids: dict[tuple[int, str], set[str]] = {}
         self._last_event: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         self.gaps = 0
@@ -60,7 +59,6 @@ class KvIndex:
             key = (holder, tier)
             blocks = self._blocks[key]
             for h in stored:
-                self._holders[h].add(key)
                 self._ids.setdefault((h, tier), set()).add(holder)
                 blocks.add(h)
             for h in removed:
@@ -76,11 +74,6 @@ class KvIndex:
         self._last_event.pop(holder, None)
 
     def _drop(self, h: int, key: tuple[str, str]) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(key)
-            if not holders:
-                del self._holders[h]
         ids = self._ids.get((h, key[1]))
         if ids is not None:
             ids.discard(key[0])
@@ -110,14 +103,13 @@ class KvIndex:
     def prefix_by_tier(self, holder: str, block_hashes) -> list[str]:
         """For each leading block the holder (or the shared tier) has, the cheapest
         tier it is in: GPU before host before shared; stops at the first miss."""
-        out = []
+        out, ids = [], self._ids
         for h in block_hashes:
-            holders = self._holders.get(h, ())
-            if (holder, GPU) in holders:
+            if holder in ids.get((h, GPU), _EMPTY):
                 out.append(GPU)
-            elif (holder, HOST) in holders:
+            elif holder in ids.get((h, HOST), _EMPTY):
                 out.append(HOST)
-            elif (SHARED_HOLDER, SHARED) in holders:
+            elif SHARED_HOLDER in ids.get((h, SHARED), _EMPTY):
                 out.append(SHARED)
             else:
                 break
@@ -168,7 +160,7 @@ class KvIndex:
         return list(groups.items())
 
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
-        return set(self._holders.get(block_hash, ()))
+        return {(holder, t) for t in TIERS for holder in self._ids.get((block_hash, t), ())}
 
     def num_blocks(self, holder: str, tier: str = GPU) -> int:
         return len(self._blocks.get((holder, tier), ()))
