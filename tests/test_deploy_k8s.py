@@ -154,6 +154,10 @@ def test_containers_parse_and_probes_name_served_endpoints(rendered, monkeypatch
             assert pod["terminationGracePeriodSeconds"] > config.drain_timeout, name
         if module == "services.gateway":
             assert not config.allow_unauthenticated
+            # the pre-stop wait, then the streams' drain, before Kubernetes kills it
+            wait = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+            assert pod["terminationGracePeriodSeconds"] > wait + config.drain_timeout, name
+            assert config.drain_timeout >= 30, "long streams outlast the default 2 s"
     assert set(roles) == {*decode_config.ROLES, "prefill"}, "one worker Deployment per role"
 
 

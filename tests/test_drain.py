@@ -132,3 +132,40 @@ def test_streams_outlasting_the_drain_timeout_move_to_another_worker(model_dir):
         assert [r.error for r in results if not r.success] == []
         assert all(r.output_tokens == 1500 for r in results)
         assert gateway_metric(mesh, "yinian:request_migrations_total") >= 1
+
+
+def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connection(model_dir):
+    # a mock engine step of 40 ms: a 100-token stream takes about 4 s, past the 2 s a
+    # gateway gave its streams on SIGTERM before --drain-timeout
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=1, port=0,
+                    engine_argv=["--model-runner", "mock", "--mock-step-ms", "40"],
+                    gateway_argv=["--drain-timeout", "20"])  # fmt: skip
+    with Mesh(spec) as mesh:
+        url = mesh.url
+
+        async def stream():
+            async with httpx.AsyncClient(timeout=60) as client:
+                request = RequestInput(f"{url}/v1/completions", "tiny-llama", "drain", 0, 100)
+                return await send_request(client, request)
+
+        results: list = []
+        runner = threading.Thread(target=lambda: results.append(asyncio.run(stream())))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while gateway_metric(mesh, "yinian:time_to_first_token_seconds_count") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gateway = mesh.child("gateway").proc
+        stopped = time.monotonic()
+        os.killpg(gateway.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        try:  # draining: no new connection is taken
+            httpx.get(f"{url}/health/live", timeout=2)
+            raise AssertionError("the draining gateway took a new connection")
+        except httpx.TransportError:
+            pass
+        runner.join(timeout=60)
+        assert results and results[0].success, results and results[0].error
+        assert results[0].output_tokens == 100 and results[0].finished
+        assert gateway.wait(timeout=30) is not None
+        assert time.monotonic() - stopped > 2.5  # it outlasted the old 2 s cut

@@ -107,7 +107,7 @@ async def run(config: GatewayConfig) -> None:
         log_level="warning",
         loop="none",
         lifespan="off",
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=config.drain_timeout,
         timeout_keep_alive=config.keep_alive_timeout,
         http=protocol(config.header_timeout, connection_cap(config.max_connections)),
         **(tls.uvicorn_options() if tls else {}),
@@ -132,10 +132,13 @@ async def run(config: GatewayConfig) -> None:
     await asyncio.wait(
         {serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
+    # Draining: no new connection is taken; what is in flight has drain_timeout to end.
     server.should_exit = True
     await grpc_server.serving(False)
-    await grpc_server.stop(grace=1.0)
-    await asyncio.wait({serve_task}, timeout=5)
+    await asyncio.gather(
+        grpc_server.stop(grace=config.drain_timeout),
+        asyncio.wait({serve_task}, timeout=config.drain_timeout + 3),
+    )
     await workers.close()
     await scheduler.close()
     await core.admission.close()

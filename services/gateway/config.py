@@ -67,6 +67,11 @@ class GatewayConfig(TlsSettings):
         "open HTTP connections at most (a new one past it gets 503 and is closed); "
         "lowered to what the process's file-descriptor limit allows",
     )
+    drain_timeout: float = setting(
+        2.0,
+        "on SIGTERM, seconds the requests in flight (HTTP and gRPC) may take to finish before "
+        "they are cut; new connections are refused at once",
+    )
     tool_call_parser: str = setting(
         "",
         "how the model writes tool calls (default: read from its chat template)",
@@ -84,6 +89,8 @@ class GatewayConfig(TlsSettings):
             raise ValueError("max_body_bytes must be >= 1")
         if self.max_connections < 1:
             raise ValueError("max_connections must be >= 1")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0")
         for name in ("request_timeout", "idle_timeout", "body_timeout", "header_timeout",
                      "keep_alive_timeout"):  # fmt: skip
             if getattr(self, name) <= 0:
