@@ -5,11 +5,12 @@ one matcher per sequence, and the token bitmask the sampler applies.
 the model's tokenizer and keeps the compiled matcher per specification;
 every sequence gets a copy (`SequenceGrammar`), advanced by each token it
 accepts. A step's bitmask rows are computed on the host once the step's
-forward pass and logits are queued (`MaskJob.result`, called by the sampler):
-on CUDA the device runs the step meanwhile, so the masks cost no step time;
-then they move to the device and are applied there. (A worker thread would
-not help on CPU: it takes a core from the forward pass, and torch's threads
-then wait for it.) Preemption keeps a sequence's generated tokens, so its
+forward pass and logits are queued (`MaskJob.result`, called by the sampler),
+all rows in one call to llguidance's executor, which fills them in parallel on
+its own threads (no Python loop per row): on CUDA the device runs the step
+meanwhile, so the masks cost no step time; then they move to the device and
+are applied there. (Computing them before the forward pass is queued would not
+help on CPU: they would take cores from it.) Preemption keeps a sequence's generated tokens, so its
 matcher stays in step; siblings of an n > 1 request each start from the
 compiled matcher.
 """
@@ -108,6 +109,25 @@ class GrammarCompiler:
         return grammar
 
 
+_EXECUTOR: list = []  # llguidance's LLExecutor (its thread pool), made on first use
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _fill_all(grammars: list[SequenceGrammar], bitmask: np.ndarray) -> None:
+    """Every row of `bitmask` from its grammar, in one call to llguidance's executor."""
+    from llguidance import LLExecutor
+
+    with _EXECUTOR_LOCK:  # engines of one process share its thread pool
+        if not _EXECUTOR:
+            _EXECUTOR.append(LLExecutor())
+        _EXECUTOR[0].unsafe_compute_mask_ptr(
+            [(g.matcher, i) for i, g in enumerate(grammars)],
+            bitmask.ctypes.data,
+            bitmask.shape[1] * bitmask.itemsize,
+            bitmask.shape[0],
+        )
+
+
 class MaskJob:
     """The bitmask rows of one step's constrained sequences, filled on first use."""
 
@@ -120,8 +140,10 @@ class MaskJob:
         if self._bitmask is None:
             grammars = self._grammars
             self._bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
-            for row, grammar in zip(self._bitmask, grammars):
-                grammar.fill(row)
+            if len(grammars) == 1:
+                grammars[0].fill(self._bitmask[0])
+            else:
+                _fill_all(grammars, self._bitmask)
         return self._bitmask
 
 
