@@ -69,6 +69,13 @@ def running(mesh: Mesh, worker_id: str) -> int:
     return sum(w.num_requests_running for w in list_workers(mesh) if w.info.worker_id == worker_id)
 
 
+def wait_first_tokens(mesh: Mesh, count: int, deadline: float) -> None:
+    """Until `count` streams have had their first token at the gateway."""
+    while gateway_metric(mesh, "yinian:time_to_first_token_seconds_count") < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_rolling_restart_under_load_fails_no_request(model_dir):
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=0, prefill=1, decode=2,
                     port=0, engine_argv=["--device", "cpu"],
@@ -118,9 +125,7 @@ def test_streams_outlasting_the_drain_timeout_move_to_another_worker(model_dir):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         # and every stream has answered (a stream moved before any output is a retry)
-        while gateway_metric(mesh, "yinian:time_to_first_token_seconds_count") < 6:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_first_tokens(mesh, 6, deadline)
         worker = mesh.child("worker-0").proc
         stopped = time.monotonic()
         os.killpg(worker.pid, signal.SIGTERM)
@@ -152,9 +157,7 @@ def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connection(mode
         runner = threading.Thread(target=lambda: results.append(asyncio.run(stream())))
         runner.start()
         deadline = time.monotonic() + 60
-        while gateway_metric(mesh, "yinian:time_to_first_token_seconds_count") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_first_tokens(mesh, 1, deadline)
         gateway = mesh.child("gateway").proc
         stopped = time.monotonic()
         os.killpg(gateway.pid, signal.SIGTERM)
