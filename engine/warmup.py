@@ -33,14 +33,18 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def warmup_shapes(max_tokens: int, max_seqs: int, max_len: int) -> list[list[int]]:
-    """Each step's query lengths: b prompts of n tokens, and one prompt of n tokens
-    beside b - 1 decode rows (a chunked-prefill step), for powers of two b and n >= 2
-    that fit the token budget, the batch size and the model's length."""
+    """Each step's query lengths: b prompts of n tokens, and one prompt of up to n
+    tokens beside b - 1 decode rows (a chunked-prefill step), for powers of two b and
+    n >= 2 within the batch size and the model's length; every step fits the token
+    budget, and every bucket (powers of two of the rows and of the longest query) a
+    step within it can fall in is run."""
     lengths = _powers_of_two(min(max_tokens, max_len))
     uniform = [[n] * b for b in _powers_of_two(min(max_seqs, max_tokens)) for n in lengths
                if n >= 2 and b * n <= max_tokens]  # fmt: skip
-    mixed = [[n] + [1] * (b - 1) for b in _powers_of_two(max_seqs)[1:] for n in lengths
-             if n >= 2 and n + b - 1 <= max_tokens]  # fmt: skip
+    # the prompt takes what the decode rows leave of the budget, while that stays in
+    # its length's bucket: a chunk of 8185 tokens beside 7 decode rows is bucket 8192
+    mixed = [[m] + [1] * (b - 1) for b in _powers_of_two(max_seqs)[1:] for n in lengths
+             if n >= 2 and (m := min(n, max_tokens - (b - 1))) > n // 2]  # fmt: skip
     return uniform + mixed
 
 

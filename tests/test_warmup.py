@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.warmup import warm_up, warmup_shapes
+from kernels.selection import next_power_of_2
 
 
 def test_shapes_cover_every_power_of_two_bucket_within_the_budget():
@@ -17,7 +18,15 @@ def test_shapes_cover_every_power_of_two_bucket_within_the_budget():
     assert {(1, 8192), (256, 32), (128, 64)} <= uniform
     assert len(uniform) == 81  # 13 + 12 + ... + 5 lengths for 1, 2, ..., 256 prompts
     # One prompt beside decode rows: the buckets of chunked-prefill steps.
-    assert {(256, 4096), (2, 4096), (256, 2)} <= mixed and (2, 8192) not in mixed
+    assert {(256, 4096), (2, 4096), (256, 2)} <= mixed
+    # A chunk filling what decode rows leave of the budget: bucket 8192 beside 1..255
+    # rows (one of 8185 tokens beside 7 rows is bucket (8, 8192)), every bucket once.
+    assert {(2, 8191), (8, 8185), (256, 7937)} <= mixed
+    # Every (rows, longest query) bucket a step within the budget can fall in is run.
+    run = {(next_power_of_2(len(q)), next_power_of_2(max(q))) for q in shapes}
+    reachable = {(b, n) for b in [2**i for i in range(9)] for n in [2**i for i in range(1, 14)]
+                 if b // 2 + 1 <= n and n // 2 + 1 + b // 2 <= 8192}  # fmt: skip
+    assert reachable <= run and (2, 8192) in run
     assert all(q[1:] == [1] * (len(q) - 1) for q in shapes if len(set(q)) > 1)
     # Capped by the model's length and the batch size.
     assert max(max(q) for q in warmup_shapes(8192, 4, 512)) == 512
