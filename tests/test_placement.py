@@ -76,7 +76,10 @@ def test_placement_prefers_the_cheapest_tier_then_the_least_loaded():
     registry.on_load("b", 8, 2, 0.0)  # b is busy: host hits on an idle worker win
     assert place(registry, index, policy, H, 170).worker.worker_id == "a"
     registry.on_load("a", 8, 2, 0.0)
-    assert place(registry, index, policy, H, 170).worker.worker_id == "c"  # all cold: least load
+    decision = place(registry, index, policy, H, 170)
+    assert decision.worker.worker_id == "c"  # a short prompt: the load outweighs the cache
+    # ... and the decision says what it gave up: 10 blocks cached elsewhere, none here
+    assert (decision.matched_blocks, decision.longest_blocks) == (0, 10)
 
 
 def test_shared_hits_count_for_every_worker_and_ties_go_to_the_least_loaded():
@@ -171,4 +174,7 @@ def test_placement_chooses_as_the_cost_of_each_worker_says():
 
         workers = list(registry.workers.values())
         expected = min(workers, key=cost)
-        assert place(registry, index, policy, prompt, tokens).worker is expected, seed
+        decision = place(registry, index, policy, prompt, tokens)
+        assert decision.worker is expected, seed
+        longest = max(len(index.prefix_by_tier(w.worker_id, prompt)) for w in workers)
+        assert decision.longest_blocks == longest, seed

@@ -17,7 +17,7 @@ import httpx
 
 from bench.loadgen.cli import run as bench_run
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import sample_sum, worker_metric
+from yinian.mesh_probe import sample_sum, scheduler_metric, worker_metric
 
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -110,8 +110,17 @@ def _tiers(mesh: Mesh) -> dict:
     }
     prefetches = {o: total("yinian:kv_shared_prefetches_total", f'outcome="{o}"')
                   for o in ("not_indexed", "local", "filled", "missed")}  # fmt: skip
+    # where the requests went and what they found there: the KV index's prefix at the
+    # chosen worker against the longest any worker held (placement giving cache up for
+    # load), each worker's requests and preemptions (a preempted prompt is admitted and
+    # counted again)
+    placed = {k: scheduler_metric(mesh, "yinian:placed_prefix_blocks_total", f'kind="{k}"')
+              for k in ("chosen", "longest")}  # fmt: skip
+    per_worker = {name: worker_metric(mesh, metric) for name, metric in (
+        ("requests", "yinian:worker_requests_total"),
+        ("preemptions", "yinian:num_preemptions"))}  # fmt: skip
     return {"queried_tokens": queried, "hit_tokens": hits, "shared_prefetches": prefetches,
-            "store": _store(mesh),
+            "placed_prefix_blocks": placed, "per_worker": per_worker, "store": _store(mesh),
             "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()},
             "shared_writes": shared,
             "host_bytes_to_host": total("yinian:host_kv_bytes", 'direction="to_host"')}  # fmt: skip

@@ -214,6 +214,12 @@ def print_table(results: dict) -> None:
             print(f"store {name:3}: {r['request_throughput']:.2f} req/s, TTFT p50 "
                   f"{r['median_ttft_ms']:.0f} ms p99 {r['p99_ttft_ms']:.0f} ms, cached of ideal "
                   f"{r['cached_of_ideal']:.3f}")  # fmt: skip
+            if "placed_prefix_blocks" in r:  # a run of this call (not an earlier one's)
+                placed, hits = r["placed_prefix_blocks"], r["hit_tokens"]
+                print(f"  placed where the index saw {placed['chosen']:.0f} of the longest "
+                      f"{placed['longest']:.0f} cached blocks; the engines found "
+                      f"{(hits['gpu'] + hits['host'] + hits['shared']) / 16:.0f} blocks; "
+                      f"per worker {r['per_worker']}")  # fmt: skip
     if "outputs_equal" in work:
         print("greedy outputs equal with the store on and off:", work["outputs_equal"])
 

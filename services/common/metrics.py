@@ -244,6 +244,14 @@ MIGRATIONS = Counter(
 PLACEMENTS = Counter(
     "yinian:placements_total", "Placement decisions", ["outcome"], registry=SCHEDULER
 )
+PLACED_PREFIX_BLOCKS = Counter(
+    "yinian:placed_prefix_blocks",
+    "Prompt blocks the KV index says are cached (any tier) at the worker each placement "
+    "chose (chosen), and at the open worker holding the most (longest): the gap is cache "
+    "given up for load",
+    ["kind"],
+    registry=SCHEDULER,
+)
 KV_INDEX_BLOCKS = Gauge(
     "yinian:kv_index_blocks",
     "Blocks the scheduler's KV index knows, by holder (a worker, or the shared tier) and tier",

@@ -41,6 +41,9 @@ class Decision:
     matched_blocks: int
     prefill: WorkerState | None = None
     refused_prefills: int = 0  # ready prefill workers whose KV layout differs
+    # the longest prefix (blocks, in any of its tiers) an open worker holds: more than
+    # `matched_blocks` when load outweighed the cache
+    longest_blocks: int = 0
 
 
 def _best(
@@ -49,19 +52,21 @@ def _best(
     policy: PlacementPolicy,
     block_hashes,
     prompt_tokens: int,
-) -> WorkerState:
+) -> tuple[WorkerState, int]:
     """The worker of least cost: the prompt's work there (the tokens it must compute,
     plus what loading the blocks in its host tier or the shared tier costs in
     recomputed-token equivalents) in loads, plus its load normalised by capacity (so
     workers of different sizes compare); ties to the less loaded, then to the first.
     Workers whose prefixes count alike are found in one walk over the prompt
-    (`KvIndex.prefix_groups`), not one walk each."""
+    (`KvIndex.prefix_groups`), not one walk each. Also returns the longest prefix
+    (blocks) any of them holds."""
     order = {w.worker_id: (i, w) for i, w in enumerate(workers)}
     host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
     per_load, extra = policy.tokens_per_load, policy.max_waiting
-    best_key, best = None, None
+    best_key, best, longest = None, None, 0
     for (gpu, host, shared), ids in index.prefix_groups(block_hashes, order.keys()):
         cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
+        longest = max(longest, cached_blocks)
         for worker_id in ids:
             i, w = order[worker_id]
             work = max(prompt_tokens - cached_blocks * w.block_size, 0)
@@ -71,7 +76,7 @@ def _best(
             key = (work / per_load + load / capacity + 0.25 * w.kv_usage, load, i)
             if best_key is None or key < best_key:
                 best_key, best = key, w
-    return best
+    return best, longest
 
 
 def place(
@@ -96,10 +101,11 @@ def place(
     if not open_:
         raise Saturated("every worker is at capacity", retry_after=policy.retry_after)
     prompt_tokens = max(prompt_tokens, len(block_hashes) * max(w.block_size for w in open_))
-    best = _best(open_, index, policy, block_hashes, prompt_tokens)
+    best, longest = _best(open_, index, policy, block_hashes, prompt_tokens)
     best.pending += 1
     # what the worker has itself or can load: only the rest needs a prefill
     decision = Decision(best, len(index.prefix_by_tier(best.worker_id, block_hashes)))
+    decision.longest_blocks = longest
     uncached = prompt_tokens - decision.matched_blocks * best.block_size
     if best.role == "decode" and uncached >= policy.disagg_min_tokens:
         prefills = [
@@ -118,6 +124,6 @@ def place(
         decision.refused_prefills = len(prefills) - len(compatible)
         prefills = compatible
         if prefills:
-            decision.prefill = _best(prefills, index, policy, block_hashes, prompt_tokens)
+            decision.prefill, _ = _best(prefills, index, policy, block_hashes, prompt_tokens)
             decision.prefill.pending += 1
     return decision

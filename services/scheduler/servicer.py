@@ -83,6 +83,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 span.set_attribute("yinian.placement_error", str(exc))
                 raise
             metrics.PLACEMENTS.labels(outcome="placed").inc()
+            metrics.PLACED_PREFIX_BLOCKS.labels(kind="chosen").inc(decision.matched_blocks)
+            metrics.PLACED_PREFIX_BLOCKS.labels(kind="longest").inc(decision.longest_blocks)
             if decision.refused_prefills and decision.prefill is None:
                 metrics.PLACEMENTS.labels(outcome="prefill_layout_mismatch").inc()
                 span.set_attribute("yinian.prefill_refused", "KV layouts differ")
