@@ -25,6 +25,9 @@ SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_thro
            "cached_of_ideal", "upper_cached_tokens_total", "cached_of_upper")  # fmt: skip
 
 
+FRAGMENTATION = "yinian:kv_fragmentation_ratio"
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     conversations: int
@@ -46,11 +49,11 @@ class Workload:
 
 
 class _Sampler:
-    """Samples a worker gauge while the workload runs (its value at the end says
-    nothing: the cache is idle by then)."""
+    """Samples gauges while the workload runs (their value at the end says nothing: the
+    cache is idle by then): `read` returns the values of one sample."""
 
-    def __init__(self, mesh: Mesh, name: str, every: float = 0.5):
-        self.mesh, self.name, self.every = mesh, name, every
+    def __init__(self, read, every: float = 0.5):
+        self.read, self.every = read, every
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -59,7 +62,7 @@ class _Sampler:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.samples += list(worker_metric(self.mesh, self.name).values())
+                self.samples += self.read()
             except Exception:  # noqa: BLE001 - a missed sample is not a result
                 pass
 
@@ -68,7 +71,7 @@ class _Sampler:
         self._thread.join()
         busy = [s for s in self.samples if s > 0]
         return {"max": max(busy, default=0.0), "mean": sum(busy) / len(busy) if busy else 0.0,
-                "samples": len(busy)}  # fmt: skip
+                "min": min(busy, default=0.0), "samples": len(busy)}  # fmt: skip
 
 
 def _serve(mesh: Mesh, folder, model: str, w: Workload, out_dir: Path, name: str) -> dict:
@@ -116,6 +119,7 @@ def _tiers(mesh: Mesh) -> dict:
     # counted again)
     placed = {k: scheduler_metric(mesh, "yinian:placed_prefix_blocks_total", f'kind="{k}"')
               for k in ("chosen", "longest")}  # fmt: skip
+    placed["index_gaps"] = scheduler_metric(mesh, "yinian:kv_index_gaps_total")
     per_worker = {name: worker_metric(mesh, metric) for name, metric in (
         ("requests", "yinian:worker_requests_total"),
         ("preemptions", "yinian:num_preemptions"))}  # fmt: skip
@@ -168,10 +172,16 @@ def run_workload(folder, model: str, w: Workload, engine_argv_of, out_dir: Path,
                         kvstore_argv=list(kvstore_argv))  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)
         try:
-            sampler = _Sampler(mesh, "yinian:kv_fragmentation_ratio")
+            sampler = _Sampler(lambda mesh=mesh: list(worker_metric(mesh, FRAGMENTATION).values()))
+            # the host-tier blocks the scheduler's index knows, all workers together: a
+            # dip is an index that forgot a worker (a lost event batch) until its resync
+            indexed = _Sampler(
+                lambda mesh=mesh: [scheduler_metric(mesh, "yinian:kv_index_blocks", 'tier="host"')]
+            )
             result = _serve(mesh, folder, model, w, out_dir, name)
             fragmentation = sampler.stop()
-            tiers = _tiers(mesh)
+            index_host = indexed.stop()
+            tiers = _tiers(mesh) | {"index_host_blocks": index_host}
         finally:
             mesh.stop()
         texts[name] = result["generated_texts"]

@@ -258,6 +258,12 @@ KV_INDEX_BLOCKS = Gauge(
     ["holder", "tier"],
     registry=SCHEDULER,
 )
+KV_INDEX_GAPS = Counter(
+    "yinian:kv_index_gaps",
+    "KV event batches found missing (the holder's entries are dropped until it resyncs)",
+    ["holder"],
+    registry=SCHEDULER,
+)
 READY_WORKERS = Gauge(
     "yinian:ready_workers", "Workers ready for placement", ["role"], registry=SCHEDULER
 )

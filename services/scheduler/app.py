@@ -62,21 +62,27 @@ class EventHandlers:
     async def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
         if events.worker_id not in self.registry.workers:
             return
+        gaps = self.index.gaps
         in_order = self.index.apply(
             events.worker_id,
             events.event_id,
             {GPU: (events.stored, events.removed), HOST: (events.host_stored, events.host_removed)},
             events.reset,
         )
+        if self.index.gaps > gaps:
+            metrics.KV_INDEX_GAPS.labels(holder=events.worker_id).inc()
         if not in_order:
             await self.bus.publish(
                 KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=events.worker_id, reason="gap")
             )
 
     async def on_shared(self, events: common_pb2.SharedKvEvents, headers) -> None:
+        gaps = self.index.gaps
         in_order = self.index.apply(
             SHARED_HOLDER, events.event_id, {SHARED: (events.stored, events.removed)}, events.reset
         )
+        if self.index.gaps > gaps:
+            metrics.KV_INDEX_GAPS.labels(holder=SHARED_HOLDER).inc()
         if not in_order:  # the KV store answers with a reset batch of the shared tier
             await self.bus.publish(
                 KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="gap")
