@@ -32,6 +32,8 @@ class HostBlockPool:
         self._pins: dict[int, int] = {}  # slot -> pin count
         self._writing: set[int] = set()  # slots whose hash is not readable yet
         self.events = HostEvents()
+        self.num_evicted = 0  # cached blocks pushed out for new ones, so far
+        self.num_refused = 0  # stores refused with every slot pinned, so far
 
     @property
     def num_cached(self) -> int:
@@ -62,9 +64,11 @@ class HostBlockPool:
             self.lookup(block_hash)
             return None
         if not self._lru:
+            self.num_refused += 1
             return None
         slot, old = self._lru.popitem(last=False)
         if old is not None:
+            self.num_evicted += 1
             del self._slot_of[old]
             del self._hash_of[slot]
             self.events.removed.append(old)

@@ -28,6 +28,8 @@ def engine_stats(scheduler, kv, runner, host=None) -> dict:
         "prefix_cache_host_hit_tokens": cache.host_hit_tokens,
         "host_kv_blocks_total": host.pool.num_blocks if host is not None else 0,
         "host_kv_blocks_cached": host.pool.num_cached if host is not None else 0,
+        "host_kv_blocks_evicted": host.pool.num_evicted if host is not None else 0,
+        "host_kv_stores_refused": host.pool.num_refused if host is not None else 0,
         "host_kv_bytes_to_host": host.stats.bytes_to_host if host is not None else 0,
         "host_kv_bytes_to_device": host.stats.bytes_to_device if host is not None else 0,
         "host_kv_load_seconds": host.stats.load_seconds if host is not None else 0.0,

@@ -34,6 +34,7 @@ def test_pool_evicts_least_recently_used_and_reports_events():
     events = pool.drain_events()
     assert events.stored == [10, 11, 12, 13] and events.removed == [11]
     assert pool.begin_store(13) is None  # already here: no second copy
+    assert (pool.num_evicted, pool.num_refused) == (1, 0)  # counted for the metrics
 
 
 def test_pool_never_reuses_a_pinned_slot():
@@ -44,6 +45,7 @@ def test_pool_never_reuses_a_pinned_slot():
     pool.pin(a)  # a load is reading it
     assert pool.begin_store(3) == b  # the only unpinned slot
     assert pool.begin_store(4) is None  # a is pinned, b is being written
+    assert (pool.num_evicted, pool.num_refused) == (1, 1)  # 2 gave way to 3; 4 refused
     pool.unpin(a)
     pool.end_store(b)
     assert pool.begin_store(4) == a

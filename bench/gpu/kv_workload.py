@@ -123,6 +123,10 @@ def _tiers(mesh: Mesh) -> dict:
     per_worker = {name: worker_metric(mesh, metric) for name, metric in (
         ("requests", "yinian:worker_requests_total"),
         ("preemptions", "yinian:num_preemptions"))}  # fmt: skip
+    for kind in ("cached", "evicted", "refused"):
+        per_worker[f"host_blocks_{kind}"] = worker_metric(
+            mesh, "yinian:host_kv_blocks", where=f'kind="{kind}"'
+        )
     return {"queried_tokens": queried, "hit_tokens": hits, "shared_prefetches": prefetches,
             "placed_prefix_blocks": placed, "per_worker": per_worker, "store": _store(mesh),
             "hit_rate": {t: v / queried if queried else 0.0 for t, v in hits.items()},

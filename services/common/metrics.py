@@ -93,6 +93,13 @@ HOST_KV_BYTES = Gauge(
     ["worker", "direction"],
     registry=WORKER,
 )
+HOST_KV_BLOCKS = Gauge(
+    "yinian:host_kv_blocks",
+    "The host tier's blocks: cached now; evicted for newer ones so far; stores refused so "
+    "far, every slot being pinned by a copy",
+    ["worker", "kind"],
+    registry=WORKER,
+)
 # Tensor/pipeline parallel workers, per rank
 RANK_BUSY_SECONDS = Gauge(
     "yinian:rank_busy_seconds",

@@ -237,6 +237,8 @@ class WorkerHost:
             metrics.HOST_KV_BYTES.labels(direction="to_device", **labels).set(
                 cache["bytes_to_device"]
             )
+            for kind, count in cache["host_blocks"].items():
+                metrics.HOST_KV_BLOCKS.labels(kind=kind, **labels).set(count)
             await bus.publish(load_subject(self.config.worker_id), load_report(load))
             await asyncio.sleep(self.config.load_interval)
 

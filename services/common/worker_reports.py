@@ -50,6 +50,11 @@ class WorkerReports:
             "fragmentation": stats["kv_fragmentation"],
             "bytes_to_host": stats["host_kv_bytes_to_host"],
             "bytes_to_device": stats["host_kv_bytes_to_device"],
+            "host_blocks": {
+                "cached": stats["host_kv_blocks_cached"],
+                "evicted": stats["host_kv_blocks_evicted"],
+                "refused": stats["host_kv_stores_refused"],
+            },
         }
 
     def kv_events(self) -> KvEventBatch | None:
