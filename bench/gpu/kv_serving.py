@@ -11,7 +11,7 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-           [--meshes default,bare[,no_writes,copy_engine]] [--profile]
+           [--meshes default,bare[,no_writes,copy_engine,host_only,store_only]] [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). A mesh named again runs again, stored as `name_2`, ...
 (`--meshes bare,default,bare,default`: each kind of mesh both first and after the
@@ -21,7 +21,9 @@ ratios pair each run with the bare run of the same round).
 `no_writes`: the default mesh with `--kv-write-through none`, to tell what the
 shared tier's writes cost from what the tiers' presence does;
 `copy_engine`: the default mesh with `YINIAN_HOST_COPY=engine` (blocks go to the host
-tier through the copy engine, not a kernel).
+tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the default
+host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
+to tell which tier costs what the default mesh pays.
 `--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store
 over each sweep (which slows them a little: figures from a profiled run are not
 compared with others); the frames' ranking goes into the mesh's result as `profile`.
@@ -78,6 +80,10 @@ MESHES = {
     "no_writes": (True, [], ["--kv-write-through", "none"], {}),
     # the default mesh copying blocks to the host tier through the copy engine
     "copy_engine": (True, [], [], {"YINIAN_HOST_COPY": "engine"}),
+    # each tier alone, to tell which one costs what the default mesh pays: the host tier
+    # without the store (`--no-kvstore`), the store without a host tier
+    "host_only": (False, [], [], {}),
+    "store_only": (True, ["--host-kv-cache-gb", "0"], [], {}),
 }
 
 
