@@ -31,7 +31,7 @@ from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
 from services.kvstore.fingerprint import Fingerprint
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import worker_metric
+from yinian.mesh_probe import scheduler_metric, worker_metric
 
 KEYS = {"A": "sk-tenant-a", "B": "sk-tenant-b"}
 MAX_TOKENS = 8
@@ -340,6 +340,10 @@ def test_a_lost_kv_event_is_repaired_by_resync(mesh, reference):
             worker_id="worker-0", event_id=last + 50, stored=[12345]))  # fmt: skip
         recorder.wait_for(KV_RESYNC_SUBJECT, lambda r: r.worker_id == "worker-0")
         recorder.wait_for(kv_subject("worker-0"), lambda e: e.reset and e.event_id > 1)
+        # the scheduler counts the gap it saw, by holder
+        gaps = 'holder="worker-0"'
+        wait_until(lambda: scheduler_metric(mesh, "yinian:kv_index_gaps_total", gaps) >= 1,
+                   what="the scheduler to count the gap")  # fmt: skip
     finally:
         recorder.close()
 

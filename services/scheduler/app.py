@@ -62,30 +62,24 @@ class EventHandlers:
     async def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
         if events.worker_id not in self.registry.workers:
             return
-        gaps = self.index.gaps
-        in_order = self.index.apply(
-            events.worker_id,
-            events.event_id,
-            {GPU: (events.stored, events.removed), HOST: (events.host_stored, events.host_removed)},
-            events.reset,
-        )
-        if self.index.gaps > gaps:
-            metrics.KV_INDEX_GAPS.labels(holder=events.worker_id).inc()
-        if not in_order:
-            await self.bus.publish(
-                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=events.worker_id, reason="gap")
-            )
+        changes = {GPU: (events.stored, events.removed),
+                   HOST: (events.host_stored, events.host_removed)}  # fmt: skip
+        await self._apply(events.worker_id, events.event_id, changes, events.reset)
 
     async def on_shared(self, events: common_pb2.SharedKvEvents, headers) -> None:
+        # on a gap the KV store answers with a reset batch of the shared tier
+        changes = {SHARED: (events.stored, events.removed)}
+        await self._apply(SHARED_HOLDER, events.event_id, changes, events.reset)
+
+    async def _apply(self, holder: str, event_id: int, changes: dict, reset: bool) -> None:
+        """Applies one holder's numbered batch; a gap is counted and asks it to resync."""
         gaps = self.index.gaps
-        in_order = self.index.apply(
-            SHARED_HOLDER, events.event_id, {SHARED: (events.stored, events.removed)}, events.reset
-        )
+        in_order = self.index.apply(holder, event_id, changes, reset)
         if self.index.gaps > gaps:
-            metrics.KV_INDEX_GAPS.labels(holder=SHARED_HOLDER).inc()
-        if not in_order:  # the KV store answers with a reset batch of the shared tier
+            metrics.KV_INDEX_GAPS.labels(holder=holder).inc()
+        if not in_order:
             await self.bus.publish(
-                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="gap")
+                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=holder, reason="gap")
             )
 
     async def listen(self) -> None:
