@@ -20,7 +20,7 @@ def test_shapes_cover_every_power_of_two_bucket_within_the_budget():
     # One prompt beside decode rows: the buckets of chunked-prefill steps.
     assert {(256, 4096), (2, 4096), (256, 2)} <= mixed
     # A chunk filling what decode rows leave of the budget: bucket 8192 beside 1..255
-    # rows (one of 8185 tokens beside 7 rows is bucket (8, 8192)), every bucket once.
+    # rows (one of 8185 tokens beside 7 rows is bucket (8, 8192)).
     assert {(2, 8191), (8, 8185), (256, 7937)} <= mixed
     # Every (rows, longest query) bucket a step within the budget can fall in is run.
     run = {(next_power_of_2(len(q)), next_power_of_2(max(q))) for q in shapes}

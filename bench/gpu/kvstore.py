@@ -218,7 +218,7 @@ def print_table(results: dict) -> None:
                 placed, hits = r["placed_prefix_blocks"], r["hit_tokens"]
                 print(f"  placed where the index saw {placed['chosen']:.0f} of the longest "
                       f"{placed['longest']:.0f} cached blocks; the engines found "
-                      f"{(hits['gpu'] + hits['host'] + hits['shared']) / 16:.0f} blocks; "
+                      f"{hits['gpu'] + hits['host'] + hits['shared']:.0f} cached tokens; "
                       f"per worker {r['per_worker']}; index gaps {placed['index_gaps']:.0f}, "
                       f"host-tier blocks indexed {r['index_host_blocks']}")  # fmt: skip
     if "outputs_equal" in work:
