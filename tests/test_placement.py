@@ -82,6 +82,24 @@ def test_placement_prefers_the_cheapest_tier_then_the_least_loaded():
     assert (decision.matched_blocks, decision.longest_blocks) == (0, 10)
 
 
+def test_a_prefix_everyone_shares_does_not_draw_every_request_to_one_worker():
+    """The H200 multi-turn run at 3.4 turns/s sent all 1000 turns to one worker of two:
+    the 512-token system prompt it cached outweighed any load. A conversation's own
+    history still keeps it where it is."""
+    registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
+    for wid in ("a", "b"):
+        registry.register(WorkerState(wid, f"{wid}:1", "colocated", 16, max_num_seqs=256))
+    system = [hash(("system", i)) for i in range(32)]  # 512 tokens
+    history = system + [hash(("history", i)) for i in range(282)]  # 5,024 tokens
+    index.apply("a", 1, {GPU: (history, [])}, reset=True)
+    assert place(registry, index, policy, system, 1935).worker.worker_id == "a"  # both idle
+    registry.on_load("a", 16, 0, 0.3)
+    registry.on_load("b", 0, 0, 0.0)
+    new = place(registry, index, policy, system, 1935)  # a new conversation's first turn
+    assert new.worker.worker_id == "b" and new.longest_blocks == 32
+    assert place(registry, index, policy, history, 6448).worker.worker_id == "a"
+
+
 def test_shared_hits_count_for_every_worker_and_ties_go_to_the_least_loaded():
     registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
     worker(registry, "a", running=3)
@@ -169,8 +187,8 @@ def test_placement_chooses_as_the_cost_of_each_worker_says():
                 tiers.count(HOST) * policy.host_hit_weight
                 + tiers.count(SHARED) * policy.shared_hit_weight
             )
-            load = w.load / policy.capacity(w) + 0.25 * w.kv_usage
-            return (work / policy.tokens_per_load + load, w.load)
+            load = w.load * policy.request_tokens + w.kv_usage * policy.memory_tokens
+            return (work + load, w.load)
 
         workers = list(registry.workers.values())
         expected = min(workers, key=cost)

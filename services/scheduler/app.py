@@ -124,6 +124,8 @@ async def run(config: SchedulerConfig) -> None:
             host_hit_weight=config.host_hit_weight,
             shared_hit_weight=config.shared_hit_weight,
             disagg_min_tokens=config.disagg_min_tokens,
+            request_tokens=config.placement_request_tokens,
+            memory_tokens=config.placement_memory_tokens,
         ),
         heartbeat_interval=config.heartbeat_timeout / 4,
     )

@@ -34,6 +34,15 @@ class SchedulerConfig(TlsSettings):
     shared_hit_weight: float = setting(
         0.3, "cost of a prompt token found in the shared tier, as a fraction of computing it"
     )
+    placement_request_tokens: float = setting(
+        64.0,
+        "prompt tokens to compute that weigh as much as one more request running or queued "
+        "on a worker, when placement weighs a cached prefix against load",
+    )
+    placement_memory_tokens: float = setting(
+        2048.0,
+        "prompt tokens that weigh as much as a worker's device KV pool fully in use",
+    )
     # The expert balancer (services/scheduler/expert_*.py).
     expert_balancer: bool = setting(
         True,
@@ -61,6 +70,8 @@ class SchedulerConfig(TlsSettings):
         for name in ("host_hit_weight", "shared_hit_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
+        if self.placement_request_tokens < 0 or self.placement_memory_tokens < 0:
+            raise ValueError("placement_request_tokens and placement_memory_tokens must be >= 0")
         if self.disagg_min_tokens < 0:
             raise ValueError("disagg_min_tokens must be >= 0")
         if self.expert_redundant_slots < 0 or self.eplb_interval < 0 or self.eplb_window <= 0:

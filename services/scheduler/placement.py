@@ -1,7 +1,9 @@
 """Placement: the ready worker whose cost is lowest — the prompt tokens it would
 have to compute (a prefix in its GPU tier is free, one in its host tier or in
-the shared tier costs a fraction of recomputing: loading it) plus its load —
-ties going to the least loaded; when every worker is saturated, say so (the
+the shared tier costs a fraction of recomputing: loading it) plus its load in
+the same units (each request it runs or queues weighs `request_tokens` prompt
+tokens, a device pool in use `memory_tokens` at most) — ties going to the least
+loaded; when every worker is saturated, say so (the
 gateway answers 429 with Retry-After) instead of queueing without bound.
 
 Disaggregation is conditional: a request placed on a decode-role worker gets
@@ -22,8 +24,14 @@ from services.scheduler.registry import Registry, WorkerState
 @dataclass(slots=True)
 class PlacementPolicy:
     max_waiting: int | None = None  # per worker beyond max_num_seqs; None: max_num_seqs
-    # Prompt tokens to compute that weigh as much as a full worker (load / capacity = 1).
-    tokens_per_load: float = 256.0
+    # Prompt tokens to compute that weigh as much as one more request running or queued
+    # on a worker: a cached prefix draws a prompt to its worker only while that worker
+    # is not this many tokens a request busier (a 512-token system prompt cached on one
+    # worker of two must not draw every conversation there).
+    request_tokens: float = 64.0
+    # ... and as much as a device pool whose blocks are all held by requests (its
+    # admissions wait for memory, its running requests risk preemption).
+    memory_tokens: float = 2048.0
     # What loading a cached token costs, as a fraction of computing it.
     host_hit_weight: float = 0.1
     shared_hit_weight: float = 0.3
@@ -53,16 +61,17 @@ def _best(
     block_hashes,
     prompt_tokens: int,
 ) -> tuple[WorkerState, int]:
-    """The worker of least cost: the prompt's work there (the tokens it must compute,
-    plus what loading the blocks in its host tier or the shared tier costs in
-    recomputed-token equivalents) in loads, plus its load normalised by capacity (so
-    workers of different sizes compare); ties to the less loaded, then to the first.
+    """The worker of least cost, in prompt tokens: the prompt's work there (the tokens
+    it must compute, plus what loading the blocks in its host tier or the shared tier
+    costs in recomputed-token equivalents), plus its load (`request_tokens` a request
+    running, queued or placed there since its last report, `memory_tokens` times the
+    share of its device pool in use); ties to the less loaded, then to the first.
     Workers whose prefixes count alike are found in one walk over the prompt
     (`KvIndex.prefix_groups`), not one walk each. Also returns the longest prefix
     (blocks) any of them holds."""
     order = {w.worker_id: (i, w) for i, w in enumerate(workers)}
     host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
-    per_load, extra = policy.tokens_per_load, policy.max_waiting
+    per_request, per_memory = policy.request_tokens, policy.memory_tokens
     best_key, best, longest = None, None, 0
     for (gpu, host, shared), ids in index.prefix_groups(block_hashes, order.keys()):
         cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
@@ -72,8 +81,7 @@ def _best(
             work = max(prompt_tokens - cached_blocks * w.block_size, 0)
             work += w.block_size * loaded_blocks
             load = w.running + w.waiting + w.pending
-            capacity = w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
-            key = (work / per_load + load / capacity + 0.25 * w.kv_usage, load, i)
+            key = (work + per_request * load + per_memory * w.kv_usage, load, i)
             if best_key is None or key < best_key:
                 best_key, best = key, w
     return best, longest
