@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
+from functools import reduce
+from itertools import compress
+from operator import or_
 
 GPU, HOST, SHARED = "gpu", "host", "shared"
 TIERS = (GPU, HOST, SHARED)
 SHARED_HOLDER = "shared"  # the holder id of the shared tier
 _EMPTY: frozenset[str] = frozenset()
+_BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")
 
 
 class KvIndex:
@@ -26,6 +30,10 @@ class KvIndex:
         # (holder, tier) -> block hashes; (hash, tier) -> holders
         self._blocks: dict[tuple[str, str], set[int]] = defaultdict(set)
         self._ids: dict[tuple[int, str], set[str]] = {}
+        # the same as bit masks, a bit per holder, for `prefix_groups` over many holders
+        self._masks: dict[tuple[int, str], int] = {}
+        self._bit: dict[str, int] = {}  # holder -> its bit (kept once given)
+        self._names: list[str] = []  # bit -> holder
         self._last_event: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         self.gaps = 0
@@ -58,8 +66,10 @@ class KvIndex:
         for tier, (stored, removed) in changes.items():
             key = (holder, tier)
             blocks = self._blocks[key]
+            bit, masks = self._bit_of(holder), self._masks
             for h in stored:
                 self._ids.setdefault((h, tier), set()).add(holder)
+                masks[(h, tier)] = masks.get((h, tier), 0) | bit
                 blocks.add(h)
             for h in removed:
                 self._drop(h, key)
@@ -73,12 +83,30 @@ class KvIndex:
                 self._drop(h, (holder, tier))
         self._last_event.pop(holder, None)
 
+    def _bit_of(self, holder: str) -> int:
+        bit = self._bit.get(holder)
+        if bit is None:
+            bit = self._bit[holder] = 1 << len(self._names)
+            self._names.append(holder)
+        return bit
+
     def _drop(self, h: int, key: tuple[str, str]) -> None:
         ids = self._ids.get((h, key[1]))
         if ids is not None:
             ids.discard(key[0])
             if not ids:
                 del self._ids[(h, key[1])]
+                self._masks.pop((h, key[1]), None)
+            else:
+                self._masks[(h, key[1])] &= ~self._bit[key[0]]
+
+    def _holders_of(self, mask: int) -> set[str]:
+        names = self._names
+        if mask & (mask - 1) == 0:  # one holder (the common case of a history)
+            return {names[mask.bit_length() - 1]}
+        # bit i at position i, as bytes 0 (not held) or 1 (held)
+        bits = bin(mask)[:1:-1].encode().translate(_BIT_BYTES)
+        return set(compress(names, bits))
 
     # -- queries -------------------------------------------------------------
     def holds_any(self, holder: str, tier: str, block_hashes) -> bool:
@@ -118,46 +146,58 @@ class KvIndex:
     def prefix_groups(self, block_hashes, holders) -> list[tuple[tuple[int, int, int], set[str]]]:
         """`holders` grouped by what `prefix_by_tier` gives each for this prompt, as
         ((GPU, host, shared) block counts, holders): one walk over the prompt's
-        blocks for all of them, the holders that keep matching kept as a set, so a
-        prefix that a thousand workers hold costs a few set operations a block."""
-        active, extra = set(holders), {}  # extra: holder -> [host, shared] of its own
+        blocks for all of them, on bit masks (a bit per holder), so a prefix that a
+        thousand workers hold costs a few integer operations a block."""
+        try:
+            active = reduce(or_, map(self._bit.__getitem__, holders), 0)
+        except KeyError:  # a holder the index never heard of: give it its bit
+            active = reduce(or_, map(self._bit_of, holders), 0)
+        masks = self._masks
+        extra: dict[int, list[int]] = {}  # bit -> [host, shared] of its own
         bulk: list[int] = []  # depths where every active holder read the shared tier
-        ended: list[tuple[int, set[str]]] = []  # (depth, holders whose prefix ends there)
+        ended: list[tuple[int, int]] = []  # (depth, holders whose prefix ends there)
         depth = 0
         for depth, h in enumerate(block_hashes):
-            gpu = self._ids.get((h, GPU), _EMPTY)
-            host = self._ids.get((h, HOST), _EMPTY)
-            if SHARED_HOLDER not in self._ids.get((h, SHARED), _EMPTY):
-                own = gpu | host if host else gpu
-                if not active <= own:
-                    gone = active - own
+            gpu = masks.get((h, GPU), 0)
+            host = masks.get((h, HOST), 0)
+            if not masks.get((h, SHARED), 0) & self._bit.get(SHARED_HOLDER, 0):
+                gone = active & ~(gpu | host)
+                if gone:
                     ended.append((depth, gone))
-                    active -= gone
+                    active &= ~gone
                     if not active:
                         break
-            if active <= gpu:
+            rest = active & ~gpu
+            if not rest:
                 continue
-            rest = active - gpu
-            if not host and len(rest) == len(active):  # all of them: the shared tier's
+            if not host and rest == active:  # all of them: the shared tier's
                 bulk.append(depth)
                 continue
-            for holder in rest:
-                counts = extra.setdefault(holder, [0, 0])
-                counts[0 if holder in host else 1] += 1
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                counts = extra.setdefault(low, [0, 0])
+                counts[0 if host & low else 1] += 1
         else:
             depth = len(block_hashes)
         if active:
             ended.append((depth, active))
-        groups: dict[tuple[int, int, int], set[str]] = defaultdict(set)
+        extra_mask = 0
+        for low in extra:
+            extra_mask |= low
+        groups: dict[tuple[int, int, int], int] = defaultdict(int)
         for end, ended_here in ended:
             shared = bisect_left(bulk, end)
-            plain = ended_here - extra.keys() if extra else ended_here
+            plain = ended_here & ~extra_mask
             if plain:
                 groups[(end - shared, 0, shared)] |= plain
-            for holder in ended_here & extra.keys() if extra else ():
-                host, own_shared = extra[holder]
-                groups[(end - shared - host - own_shared, host, shared + own_shared)].add(holder)
-        return list(groups.items())
+            own = ended_here & extra_mask
+            while own:
+                low = own & -own
+                own ^= low
+                host, own_shared = extra[low]
+                groups[(end - shared - host - own_shared, host, shared + own_shared)] |= low
+        return [(counts, self._holders_of(mask)) for counts, mask in groups.items()]
 
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
         return {(holder, t) for t in TIERS for holder in self._ids.get((block_hash, t), ())}

@@ -69,22 +69,63 @@ def _best(
     Workers whose prefixes count alike are found in one walk over the prompt
     (`KvIndex.prefix_groups`), not one walk each. Also returns the longest prefix
     (blocks) any of them holds."""
-    order = {w.worker_id: (i, w) for i, w in enumerate(workers)}
     host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
-    per_request, per_memory = policy.request_tokens, policy.memory_tokens
-    best_key, best, longest = None, None, 0
-    for (gpu, host, shared), ids in index.prefix_groups(block_hashes, order.keys()):
+    loads = _loads(workers, policy)
+    sizes = {w.block_size for w in workers}
+    size = next(iter(sizes)) if len(sizes) == 1 else None
+    best_key, longest = None, 0
+    for (gpu, host, shared), ids in index.prefix_groups(block_hashes, loads.keys()):
         cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
         longest = max(longest, cached_blocks)
-        for worker_id in ids:
-            i, w = order[worker_id]
-            work = max(prompt_tokens - cached_blocks * w.block_size, 0)
-            work += w.block_size * loaded_blocks
-            load = w.running + w.waiting + w.pending
-            key = (work + per_request * load + per_memory * w.kv_usage, load, i)
+        if size is not None:  # one block size: the group's work is the same for each
+            work = max(prompt_tokens - cached_blocks * size, 0) + size * loaded_blocks
+            cost, n, i = min(map(loads.__getitem__, ids))
+            key = (work + cost, n, i)
             if best_key is None or key < best_key:
-                best_key, best = key, w
+                best_key = key
+            continue
+        for worker_id in ids:
+            cost, n, i = loads[worker_id]
+            block = workers[i].block_size
+            work = max(prompt_tokens - cached_blocks * block, 0) + block * loaded_blocks
+            key = (work + cost, n, i)
+            if best_key is None or key < best_key:
+                best_key = key
+    best = workers[best_key[2]]
     return best, longest
+
+
+def _loads(workers: list[WorkerState], policy: PlacementPolicy) -> dict:
+    """worker id -> (its load in prompt tokens, its requests, its position in
+    `workers`): the part of a worker's cost that is the same for every prompt."""
+    per_request, per_memory = policy.request_tokens, policy.memory_tokens
+    loads = {}
+    for i, w in enumerate(workers):
+        n = w.running + w.waiting + w.pending
+        loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, i)
+    return loads
+
+
+def _open(registry: Registry, policy: PlacementPolicy, roles, exclude) -> list[WorkerState]:
+    """The ready workers of `roles`, not excluded and not at capacity, in one pass
+    over the registry (it runs for every request, over every worker); raises when
+    none is ready, or none is open."""
+    since = registry.clock() - registry.heartbeat_timeout
+    extra = policy.max_waiting  # policy.capacity, inline
+    open_ = [
+        w
+        for w in registry.workers.values()
+        if w.last_seen >= since
+        and w.role in roles
+        and w.worker_id not in exclude
+        and w.running + w.waiting + w.pending
+        < w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
+    ]
+    if not open_:
+        if not any(w.role in roles and w.worker_id not in exclude for w in registry.ready()):
+            raise WorkerUnavailable("no ready worker to serve the request")
+        raise Saturated("every worker is at capacity", retry_after=policy.retry_after)
+    return open_
 
 
 def place(
@@ -96,18 +137,7 @@ def place(
     exclude=(),
     roles=("colocated", "decode"),
 ) -> Decision:
-    candidates = [w for w in registry.ready() if w.role in roles and w.worker_id not in exclude]
-    if not candidates:
-        raise WorkerUnavailable("no ready worker to serve the request")
-    extra = policy.max_waiting  # policy.capacity, inline: this runs over every worker
-    open_ = [
-        w
-        for w in candidates
-        if w.running + w.waiting + w.pending
-        < w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
-    ]
-    if not open_:
-        raise Saturated("every worker is at capacity", retry_after=policy.retry_after)
+    open_ = _open(registry, policy, roles, exclude)
     prompt_tokens = max(prompt_tokens, len(block_hashes) * max(w.block_size for w in open_))
     best, longest = _best(open_, index, policy, block_hashes, prompt_tokens)
     best.pending += 1
