@@ -158,6 +158,11 @@ def test_prefix_groups_count_each_holder_as_its_own_walk_does():
         prompt = [rng.getrandbits(40) for _ in range(rng.randrange(0, 12))]
         workers = [f"w{i}" for i in range(rng.randrange(1, 7))]
         index = _random_index(rng, prompt, workers)
+        if rng.random() < 0.3:  # one leaves and another comes (and may take its bit)
+            index.forget(workers.pop(rng.randrange(len(workers))))
+            workers.append(f"new{seed}")
+            index.apply(workers[-1], 0, {GPU: ([h for h in prompt if rng.random() < 0.7], [])},
+                        reset=True)  # fmt: skip
         asked = {w for w in workers if rng.random() < 0.8}
         got = {w: counts for counts, ids in index.prefix_groups(prompt, asked) for w in ids}
         tiers = {w: Counter(index.prefix_by_tier(w, prompt)) for w in asked}

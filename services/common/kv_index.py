@@ -33,7 +33,8 @@ class KvIndex:
         # the same as bit masks, a bit per holder, for `prefix_groups` over many holders
         self._masks: dict[tuple[int, str], int] = {}
         self._bit: dict[str, int] = {}  # holder -> its bit (kept once given)
-        self._names: list[str] = []  # bit -> holder
+        self._names: list[str | None] = []  # bit -> holder
+        self._free: list[int] = []  # bits of holders forgotten, given out again
         self._last_event: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         self.gaps = 0
@@ -82,12 +83,21 @@ class KvIndex:
             for h in self._blocks.pop((holder, tier), ()):
                 self._drop(h, (holder, tier))
         self._last_event.pop(holder, None)
+        bit = self._bit.pop(holder, None)
+        if bit is not None:  # no mask holds it now: another holder may have it
+            self._names[bit.bit_length() - 1] = None
+            self._free.append(bit)
 
     def _bit_of(self, holder: str) -> int:
         bit = self._bit.get(holder)
         if bit is None:
-            bit = self._bit[holder] = 1 << len(self._names)
-            self._names.append(holder)
+            if self._free:
+                bit = self._free.pop()
+                self._names[bit.bit_length() - 1] = holder
+            else:
+                bit = 1 << len(self._names)
+                self._names.append(holder)
+            self._bit[holder] = bit
         return bit
 
     def _drop(self, h: int, key: tuple[str, str]) -> None:
