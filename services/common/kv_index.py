@@ -32,7 +32,7 @@ class KvIndex:
         self._ids: dict[tuple[int, str], set[str]] = {}
         # the same as bit masks, a bit per holder, for `prefix_groups` over many holders
         self._masks: dict[tuple[int, str], int] = {}
-        self._bit: dict[str, int] = {}  # holder -> its bit (kept once given)
+        self._bit: dict[str, int] = {}  # holder -> its bit (freed when it is forgotten)
         self._names: list[str | None] = []  # bit -> holder
         self._free: list[int] = []  # bits of holders forgotten, given out again
         self._last_event: dict[str, int] = {}
