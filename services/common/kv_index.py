@@ -21,16 +21,15 @@ from operator import or_
 GPU, HOST, SHARED = "gpu", "host", "shared"
 TIERS = (GPU, HOST, SHARED)
 SHARED_HOLDER = "shared"  # the holder id of the shared tier
-_EMPTY: frozenset[str] = frozenset()
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")
 
 
 class KvIndex:
     def __init__(self):
-        # (holder, tier) -> block hashes; (hash, tier) -> holders
+        # (holder, tier) -> block hashes; (hash, tier) -> its holders as a bit mask (a
+        # bit per holder: `prefix_groups` over a thousand holders costs a few integer
+        # operations a block)
         self._blocks: dict[tuple[str, str], set[int]] = defaultdict(set)
-        self._ids: dict[tuple[int, str], set[str]] = {}
-        # the same as bit masks, a bit per holder, for `prefix_groups` over many holders
         self._masks: dict[tuple[int, str], int] = {}
         self._bit: dict[str, int] = {}  # holder -> its bit (freed when it is forgotten)
         self._names: list[str | None] = []  # bit -> holder
@@ -69,7 +68,6 @@ class KvIndex:
             blocks = self._blocks[key]
             bit, masks = self._bit_of(holder), self._masks
             for h in stored:
-                self._ids.setdefault((h, tier), set()).add(holder)
                 masks[(h, tier)] = masks.get((h, tier), 0) | bit
                 blocks.add(h)
             for h in removed:
@@ -101,17 +99,16 @@ class KvIndex:
         return bit
 
     def _drop(self, h: int, key: tuple[str, str]) -> None:
-        ids = self._ids.get((h, key[1]))
-        if ids is not None:
-            ids.discard(key[0])
-            if not ids:
-                del self._ids[(h, key[1])]
-                self._masks.pop((h, key[1]), None)
-            else:
-                self._masks[(h, key[1])] &= ~self._bit[key[0]]
+        mask = self._masks.get((h, key[1]), 0) & ~self._bit[key[0]]
+        if mask:
+            self._masks[(h, key[1])] = mask
+        else:
+            self._masks.pop((h, key[1]), None)
 
     def _holders_of(self, mask: int) -> set[str]:
         names = self._names
+        if not mask:
+            return set()
         if mask & (mask - 1) == 0:  # one holder (the common case of a history)
             return {names[mask.bit_length() - 1]}
         # bit i at position i, as bytes 0 (not held) or 1 (held)
@@ -141,13 +138,14 @@ class KvIndex:
     def prefix_by_tier(self, holder: str, block_hashes) -> list[str]:
         """For each leading block the holder (or the shared tier) has, the cheapest
         tier it is in: GPU before host before shared; stops at the first miss."""
-        out, ids = [], self._ids
+        out, masks = [], self._masks
+        bit, shared_bit = self._bit.get(holder, 0), self._bit.get(SHARED_HOLDER, 0)
         for h in block_hashes:
-            if holder in ids.get((h, GPU), _EMPTY):
+            if masks.get((h, GPU), 0) & bit:
                 out.append(GPU)
-            elif holder in ids.get((h, HOST), _EMPTY):
+            elif masks.get((h, HOST), 0) & bit:
                 out.append(HOST)
-            elif SHARED_HOLDER in ids.get((h, SHARED), _EMPTY):
+            elif masks.get((h, SHARED), 0) & shared_bit:
                 out.append(SHARED)
             else:
                 break
@@ -162,7 +160,7 @@ class KvIndex:
             active = reduce(or_, map(self._bit.__getitem__, holders), 0)
         except KeyError:  # a holder the index never heard of: give it its bit
             active = reduce(or_, map(self._bit_of, holders), 0)
-        masks = self._masks
+        masks, shared_bit = self._masks, self._bit.get(SHARED_HOLDER, 0)
         extra: dict[int, list[int]] = {}  # bit -> [host, shared] of its own
         bulk: list[int] = []  # depths where every active holder read the shared tier
         ended: list[tuple[int, int]] = []  # (depth, holders whose prefix ends there)
@@ -170,7 +168,7 @@ class KvIndex:
         for depth, h in enumerate(block_hashes):
             gpu = masks.get((h, GPU), 0)
             host = masks.get((h, HOST), 0)
-            if not masks.get((h, SHARED), 0) & self._bit.get(SHARED_HOLDER, 0):
+            if not masks.get((h, SHARED), 0) & shared_bit:
                 gone = active & ~(gpu | host)
                 if gone:
                     ended.append((depth, gone))
@@ -210,7 +208,9 @@ class KvIndex:
         return [(counts, self._holders_of(mask)) for counts, mask in groups.items()]
 
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
-        return {(holder, t) for t in TIERS for holder in self._ids.get((block_hash, t), ())}
+        masks = self._masks
+        return {(holder, t) for t in TIERS
+                for holder in self._holders_of(masks.get((block_hash, t), 0))}  # fmt: skip
 
     def num_blocks(self, holder: str, tier: str = GPU) -> int:
         return len(self._blocks.get((holder, tier), ()))
