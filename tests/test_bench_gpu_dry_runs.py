@@ -109,7 +109,7 @@ def test_dry_run(script, tmp_path):
 
 
 def test_kv_serving_pairs_each_repeated_mesh_with_the_bare_run_of_its_round():
-    from bench.gpu.kv_serving import kind_of, pairs, run_names
+    from bench.gpu.kv_serving_compare import kind_of, pairs, run_names
 
     names = run_names(["bare", "default", "bare", "default", "no_writes"])
     assert names == ["bare", "default", "bare_2", "default_2", "no_writes"]
@@ -119,3 +119,21 @@ def test_kv_serving_pairs_each_repeated_mesh_with_the_bare_run_of_its_round():
         ("default", "bare"),
         ("default_2", "bare"),
     ]
+
+
+def test_kv_serving_pools_repeated_rounds_against_the_bare_runs_and_their_spread():
+    from bench.gpu.kv_serving_compare import pooled
+
+    def run(ttft: float, tps: float) -> dict:
+        row = {"request_rate": 8.0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+               "p99_tpot_ms": 10.0, "output_throughput": tps}  # fmt: skip
+        return {"rows": [row]}
+
+    results = {"bare": run(50.0, 1000.0), "default": run(54.0, 990.0),
+               "bare_2": run(60.0, 1000.0), "default_2": run(56.0, 1010.0)}  # fmt: skip
+    out = pooled(results, list(results))
+    assert out["runs"] == {"bare": 2, "default": 2}
+    assert out["default"][0]["median_ttft_ms"] == 55.0 / 55.0
+    assert out["default"][0]["output_throughput"] == 1000.0 / 1000.0
+    assert out["bare_spread"][0]["median_ttft_ms"] == 60.0 / 50.0
+    assert pooled({"bare": run(50.0, 1.0), "default": run(51.0, 1.0)}, ["bare", "default"]) == {}

@@ -78,3 +78,16 @@ def wait_indexed(mesh, at_least: float, tier: str = "gpu", timeout: float = 15.0
         if count >= at_least or time.monotonic() > deadline:
             return count
         time.sleep(0.05)
+
+
+def wait_store_mapped(mesh, timeout: float = 120.0) -> float:
+    """Waits until every worker has mapped (and pinned) the KV store's memory tier,
+    whose blocks it then copies straight to its device (pinning many GiB takes seconds
+    after the worker is ready); the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        mapped = worker_metric(mesh, "yinian:kv_store_memory_mapped")
+        if mapped and all(mapped.values()):
+            break
+        time.sleep(0.2)
+    return time.monotonic() - start

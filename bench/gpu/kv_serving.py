@@ -33,20 +33,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 
 from bench.gpu import ceilings
+from bench.gpu.kv_serving_compare import (
+    kind_of,
+    pairs,
+    pooled,
+    print_table,
+    ratio_key,
+    ratios,
+    run_names,
+)
 from bench.gpu.models import preset_folder
 from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import worker_metric
+from yinian.mesh_probe import wait_store_mapped, worker_metric
 
 TUNED = "kernel tuned:"  # the line kernels/selection.py logs when it tunes a shape
 ROW_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
-COMPARED = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")
 # why a worker dropped a block it meant to write (its write queue was full, the block was
 # no longer on the device or in the host tier, the store refused it)
 DROP_REASONS = ("queue_full", "not_local", "store")
@@ -100,6 +107,9 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
     mesh.start(timeout=900)
     started = time.monotonic() - start
     try:
+        # a worker pins the store's memory tier in the background once ready (~10 s for
+        # 16 GiB): the warm-up and the sweep start after it, as a mesh serving for long would
+        mapped = wait_store_mapped(mesh) if kvstore else 0.0
         top = load.rates.split(",")[-1]
         bench_run([  # the warm-up: other prompts (a seed no rate of the sweep uses), not recorded
             "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
@@ -137,6 +147,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
     return {
         "rc": rc,
         "start_seconds": started,
+        "mapped_seconds": mapped,
         "sweep_seconds": seconds,
         "rows": [{k: r.get(k) for k in ROW_KEYS} for r in runs],
         "shared_written_bytes": written,
@@ -166,54 +177,6 @@ def _log_lines(mesh: Mesh, needle: str) -> int:
     for path in mesh.log_dir.glob("*.log"):
         count += sum(needle in line for line in path.read_text(errors="replace").splitlines())
     return count
-
-
-def kind_of(name: str) -> str:
-    """The mesh a run name stands for: `default_2` (its second run) is `default`."""
-    base, _, count = name.rpartition("_")
-    return base if base in MESHES and count.isdigit() else name
-
-
-def run_names(meshes: list[str]) -> list[str]:
-    """Each mesh of --meshes under its run name: a repeat is `name_2`, `name_3`, ..."""
-    seen: dict[str, int] = {}
-    names = []
-    for mesh in meshes:
-        seen[mesh] = seen.get(mesh, 0) + 1
-        names.append(mesh if seen[mesh] == 1 else f"{mesh}_{seen[mesh]}")
-    return names
-
-
-def pairs(names: list[str]) -> list[tuple[str, str]]:
-    """(run, the bare run it is compared with): the n-th run of a mesh with the n-th
-    bare run (or the last one, with fewer)."""
-    bares = [n for n in names if kind_of(n) == "bare"]
-    if not bares:
-        return []
-    rounds: dict[str, int] = {}
-    out = []
-    for name in names:
-        kind = kind_of(name)
-        if kind != "bare":
-            rounds[kind] = rounds.get(kind, 0) + 1
-            out.append((name, bares[min(rounds[kind], len(bares)) - 1]))
-    return out
-
-
-def ratio_key(name: str) -> str:
-    """Where a mesh's ratios to the bare mesh are stored in the results."""
-    return f"ratio_{name}_to_bare"
-
-
-def ratios(default: dict, bare: dict) -> list[dict]:
-    out = []
-    for ours, theirs in zip(default["rows"], bare["rows"]):
-        row = {"request_rate": ours["request_rate"]}
-        for key in COMPARED:
-            a, b = ours.get(key), theirs.get(key)
-            row[key] = a / b if a is not None and b else None
-        out.append(row)
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -254,31 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
             if "rows" in run and "rows" in bare:
                 section.results[ratio_key(name)] = ratios(run, bare)
         section.results["compared_with"] = compared
+        section.results["pooled_to_bare"] = pooled(section.results, names)
         print_table(section.results, names)
         return section.results
-
-
-def print_table(results: dict, names: list[str]) -> None:
-    print("| mesh | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | TPOT p99 |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in names:
-        for r in (results.get(name) or {}).get("rows", []):
-            print(f"| {name} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
-                  f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
-                  f"{r['p99_ttft_ms']:.1f} | {r['p99_tpot_ms']:.2f} |")  # fmt: skip
-    for name in names:
-        r = results.get(name) or {}
-        if "rows" in r:
-            print(f"{name}: shared tier written {r['shared_written_bytes_per_s'] / 1e6:.1f} MB/s, "
-                  f"dropped {r['shared_dropped_blocks']:.0f} blocks "
-                  f"{json.dumps(r.get('shared_dropped_by_reason', {}))}, to host "
-                  f"{r['host_bytes_to_host'] / 1e6:.0f} MB, 'put failed' lines "
-                  f"{r['put_failures_in_logs']}, kernels tuned in the sweep "
-                  f"{r.get('kernel_tunings')}, start {r['start_seconds']:.0f} s")  # fmt: skip
-    for name, bare in results.get("compared_with", {}).items():
-        for row in results.get(ratio_key(name), []):
-            cells = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "request_rate" and v)
-            print(f"rate {row['request_rate']}: {name} / {bare}: {cells}")
 
 
 if __name__ == "__main__":

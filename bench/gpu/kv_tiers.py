@@ -26,7 +26,7 @@ from bench.gpu.timing import median_ms
 from bench.otlp_receiver import OtlpReceiver, stages
 from engine import LLM, SamplingParams
 from yinian.mesh import Mesh
-from yinian.mesh_probe import list_workers, worker_metric
+from yinian.mesh_probe import list_workers, wait_store_mapped, worker_metric
 
 
 def host_load(
@@ -145,7 +145,7 @@ def ttft_by_tier(
     # first run's warm-up
     out["warmup_ms"] = _first_token(mesh, warm, model)["ttft_ms"]
     # pinning the store's memory (seconds, in the background) is done before any hit
-    out["mapped_seconds"] = [_wait_mapped(mesh)]
+    out["mapped_seconds"] = [wait_store_mapped(mesh)]
     out["none"] = _first_token(mesh, prompt, model)
     out["settle_seconds"] = [_settle(mesh)]  # the prompt's blocks written through
     # a tier's first hit may meet shapes the engine has not run before: each hit is
@@ -182,7 +182,7 @@ def ttft_by_tier(
     mesh.kill("worker-0")
     mesh.respawn("worker-0", timeout=1800)
     _wait_healthy(mesh)
-    out["mapped_seconds"].append(_wait_mapped(mesh))
+    out["mapped_seconds"].append(wait_store_mapped(mesh))
     out["shared"] = _first_token(mesh, prompt, model)
     out["shared_fetched_tokens"] = _fetched(mesh)
     out["shared_fetched_by_path"] = {p: _fetched(mesh, p) for p in ("lent", "copied")}
@@ -240,18 +240,6 @@ def _settle(mesh: Mesh, quiet: float = 1.0, timeout: float = 120.0) -> float:
     return time.monotonic() - start
 
 
-def _wait_mapped(mesh: Mesh, timeout: float = 120.0) -> float:
-    """Waits until every worker has mapped (and pinned) the store's memory tier, whose
-    blocks it then copies straight to its device; the seconds waited."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        mapped = worker_metric(mesh, "yinian:kv_store_memory_mapped")
-        if mapped and all(mapped.values()):
-            break
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
 def _wait_healthy(mesh: Mesh, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -269,7 +257,7 @@ def cross_worker(mesh: Mesh, model: str, prompt: list[int], warm: list[list[int]
     on one worker and hit there once more (so the default write policy sends it
     down); that worker is then stopped, and the prompt served by the other from
     the shared tier. The answer is checked against the first."""
-    out = {"mapped_seconds": _wait_mapped(mesh)}
+    out = {"mapped_seconds": wait_store_mapped(mesh)}
     for w in warm:  # both workers past their first prefill of this length
         _first_token(mesh, w, model)
     before = worker_metric(mesh, "yinian:prefix_cache_queried_tokens")
