@@ -6,7 +6,9 @@ prompt and the histories of the conversations it served (some pushed down to its
 host tier); the requests are next turns of those conversations and fresh prompts
 with the system prompt, placed one after another, each counted as placed (its
 worker's load goes up by one, and load reports bring it back, as between two
-reports of a real mesh).
+reports of a real mesh). A report's cost (the scheduler updating its open
+workers' loads, `placement.OpenWorkers`) is the report's, not a placement's: it
+is not timed.
 
 Usage: python -m bench.placement --out bench/results/placement_cpu.json
            [--workers 10,100,1000] [--requests 2000] [--prompt-blocks 64]
@@ -69,8 +71,8 @@ def measure(workers: int, requests: int, prompt_blocks: int, seed: int = 0) -> d
         times.append(time.perf_counter() - began)
         matched += decision.matched_blocks
         if i % REPORT_EVERY == 0:  # load reports: every worker's pending placements counted
-            for w in registry.workers.values():
-                w.running, w.pending = w.running + w.pending, 0
+            for w in list(registry.workers.values()):
+                registry.on_load(w.worker_id, w.running + w.pending, w.waiting, w.kv_usage)
     times.sort()
     us = [t * 1e6 for t in times]
     return {

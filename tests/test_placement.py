@@ -201,3 +201,51 @@ def test_placement_chooses_as_the_cost_of_each_worker_says():
         assert decision.worker is expected, seed
         longest = max(len(index.prefix_by_tier(w.worker_id, prompt)) for w in workers)
         assert decision.longest_blocks == longest, seed
+
+
+def test_placement_follows_reports_registrations_and_silence_as_reading_every_worker_would():
+    """Placement keeps its open workers and their loads as the registry tells each
+    change (placement.OpenWorkers); after any mix of reports, placements, workers
+    joining, leaving, going silent and at capacity, it chooses what reading every
+    worker (`_open`, the path of a retry) chooses, and raises the same errors."""
+    import random
+
+    from services.scheduler.placement import _best, _block_size, _loads, _open
+
+    rng = random.Random(7)
+    now = [0.0]
+    registry, policy = Registry(heartbeat_timeout=2.0, clock=lambda: now[0]), PlacementPolicy()
+    prompt = [rng.getrandbits(40) for _ in range(6)]
+    names = [f"w{i}" for i in range(12)]
+    index = _random_index(rng, prompt, names)
+    placed = errors = 0
+    for step in range(600):
+        name, op = rng.choice(names), rng.random()
+        if op < 0.15:
+            registry.register(WorkerState(name, "addr", rng.choice(["colocated", "decode",
+                                          "prefill"]), rng.choice([16, 32]), 2))  # fmt: skip
+        elif op < 0.2:
+            registry.deregister(name)
+        elif op < 0.5:
+            registry.on_load(name, rng.randrange(0, 3), rng.randrange(0, 2), rng.random())
+        elif op < 0.55:
+            now[0] += rng.choice([0.5, 1.5])  # some go silent past the heartbeat timeout
+        elif op < 0.57:
+            registry.expire()
+        elif op < 0.58:
+            policy.request_tokens = rng.choice([32.0, 64.0])  # the weights change too
+        else:
+            roles = ("colocated", "decode")
+            try:
+                open_ = _open(registry, policy, roles, ())
+            except (Saturated, WorkerUnavailable) as exc:
+                with pytest.raises(type(exc)):
+                    place(registry, index, policy, prompt, 100)
+                errors += 1
+                continue
+            size, largest = _block_size(open_)
+            tokens = max(100, len(prompt) * largest)
+            expected, _ = _best(_loads(open_, policy), index, policy, prompt, tokens, size)
+            assert place(registry, index, policy, prompt, 100).worker is expected, step
+            placed += 1
+    assert placed > 100 and errors > 10

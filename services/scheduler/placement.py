@@ -55,55 +55,59 @@ class Decision:
 
 
 def _best(
-    workers: list[WorkerState],
+    loads: dict,
     index: KvIndex,
     policy: PlacementPolicy,
     block_hashes,
     prompt_tokens: int,
+    size: int | None,
 ) -> tuple[WorkerState, int]:
     """The worker of least cost, in prompt tokens: the prompt's work there (the tokens
     it must compute, plus what loading the blocks in its host tier or the shared tier
     costs in recomputed-token equivalents), plus its load (`request_tokens` a request
     running, queued or placed there since its last report, `memory_tokens` times the
     share of its device pool in use); ties to the less loaded, then to the first.
-    Workers whose prefixes count alike are found in one walk over the prompt
-    (`KvIndex.prefix_groups`), not one walk each. Also returns the longest prefix
-    (blocks) any of them holds."""
+    `loads`: worker id -> (load, requests, order, worker) (`_loads`); `size`: their
+    block size when they all have one. Workers whose prefixes count alike are found
+    in one walk over the prompt (`KvIndex.prefix_groups`), not one walk each. Also
+    returns the longest prefix (blocks) any of them holds."""
     host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
-    loads = _loads(workers, policy)
-    sizes = {w.block_size for w in workers}
-    size = next(iter(sizes)) if len(sizes) == 1 else None
     best_key, longest = None, 0
     for (gpu, host, shared), ids in index.prefix_groups(block_hashes, loads.keys()):
         cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
         longest = max(longest, cached_blocks)
         if size is not None:  # one block size: the group's work is the same for each
             work = max(prompt_tokens - cached_blocks * size, 0) + size * loaded_blocks
-            cost, n, i = min(map(loads.__getitem__, ids))
-            key = (work + cost, n, i)
+            cost, n, order, w = min(map(loads.__getitem__, ids))
+            key = (work + cost, n, order, w)
             if best_key is None or key < best_key:
                 best_key = key
             continue
         for worker_id in ids:
-            cost, n, i = loads[worker_id]
-            block = workers[i].block_size
+            cost, n, order, w = loads[worker_id]
+            block = w.block_size
             work = max(prompt_tokens - cached_blocks * block, 0) + block * loaded_blocks
-            key = (work + cost, n, i)
+            key = (work + cost, n, order, w)
             if best_key is None or key < best_key:
                 best_key = key
-    best = workers[best_key[2]]
-    return best, longest
+    return best_key[3], longest
 
 
 def _loads(workers: list[WorkerState], policy: PlacementPolicy) -> dict:
-    """worker id -> (its load in prompt tokens, its requests, its position in
-    `workers`): the part of a worker's cost that is the same for every prompt."""
+    """worker id -> (its load in prompt tokens, its requests, its order, the worker):
+    the part of a worker's cost that is the same for every prompt."""
     per_request, per_memory = policy.request_tokens, policy.memory_tokens
     loads = {}
-    for i, w in enumerate(workers):
+    for w in workers:
         n = w.running + w.waiting + w.pending
-        loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, i)
+        loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, w.seq, w)
     return loads
+
+
+def _block_size(workers) -> tuple[int | None, int]:
+    """The workers' block size if they share one (else None), and the largest."""
+    sizes = {w.block_size for w in workers}
+    return (next(iter(sizes)) if len(sizes) == 1 else None), max(sizes)
 
 
 def _open(registry: Registry, policy: PlacementPolicy, roles, exclude) -> list[WorkerState]:
@@ -128,6 +132,88 @@ def _open(registry: Registry, policy: PlacementPolicy, roles, exclude) -> list[W
     return open_
 
 
+class OpenWorkers:
+    """The workers of some roles that are not at capacity, with their loads as
+    `_loads` gives them, kept as the registry tells each change (a report, a
+    placement, a registration) instead of read from every worker for every request.
+    Readiness (a recent report) is checked on the worker chosen: one that missed its
+    reports leaves until its next one."""
+
+    def __init__(self, registry: Registry, policy: PlacementPolicy, roles):
+        self.registry, self.roles = registry, roles
+        self.loads: dict[str, tuple] = {}
+        self.sizes: dict[int, int] = {}  # block size -> how many of `loads` have it
+        self.reweigh(policy)
+        registry.readers.append(self)
+
+    def reweigh(self, policy: PlacementPolicy) -> None:
+        """Every worker's load again, under `policy`'s weights."""
+        self.weights = _weights(policy)
+        self.loads.clear()
+        self.sizes.clear()
+        for w in self.registry.workers.values():
+            self._put(w)
+
+    def changed(self, worker_id: str) -> None:
+        self._drop(worker_id)
+        w = self.registry.workers.get(worker_id)
+        if w is not None:
+            self._put(w)
+
+    def _put(self, w: WorkerState) -> None:
+        per_request, per_memory, extra = self.weights
+        n = w.running + w.waiting + w.pending
+        if w.role in self.roles and n < w.max_num_seqs + (
+            w.max_num_seqs if extra is None else extra
+        ):
+            self.loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, w.seq, w)
+            self.sizes[w.block_size] = self.sizes.get(w.block_size, 0) + 1
+
+    def drop(self, worker_id: str) -> None:
+        """Leaves out a worker until its state changes again."""
+        self._drop(worker_id)
+
+    def _drop(self, worker_id: str) -> None:
+        old = self.loads.pop(worker_id, None)
+        if old is not None:
+            size = old[3].block_size
+            self.sizes[size] -= 1
+            if not self.sizes[size]:
+                del self.sizes[size]
+
+    def block_size(self) -> tuple[int | None, int]:
+        return (next(iter(self.sizes)) if len(self.sizes) == 1 else None), max(self.sizes)
+
+
+def _weights(policy: PlacementPolicy) -> tuple:
+    return (policy.request_tokens, policy.memory_tokens, policy.max_waiting)
+
+
+def _view(registry: Registry, policy: PlacementPolicy, roles) -> OpenWorkers:
+    """The registry's OpenWorkers for `roles` under `policy`'s weights."""
+    for view in registry.readers:
+        if isinstance(view, OpenWorkers) and view.roles == roles:
+            if view.weights != _weights(policy):
+                view.reweigh(policy)
+            return view
+    return OpenWorkers(registry, policy, roles)
+
+
+def _place_first(registry, index, policy, block_hashes, prompt_tokens, roles):
+    """`_best` over the open workers of `roles` (registry.readers' view), skipping any
+    chosen one that missed its reports; None when no ready one is open."""
+    view = _view(registry, policy, roles)
+    since = registry.clock() - registry.heartbeat_timeout
+    while view.loads:
+        size, largest = view.block_size()
+        tokens = max(prompt_tokens, len(block_hashes) * largest)
+        best, longest = _best(view.loads, index, policy, block_hashes, tokens, size)
+        if best.last_seen >= since:
+            return best, longest, tokens
+        view.drop(best.worker_id)
+    return None
+
+
 def place(
     registry: Registry,
     index: KvIndex,
@@ -137,10 +223,18 @@ def place(
     exclude=(),
     roles=("colocated", "decode"),
 ) -> Decision:
-    open_ = _open(registry, policy, roles, exclude)
-    prompt_tokens = max(prompt_tokens, len(block_hashes) * max(w.block_size for w in open_))
-    best, longest = _best(open_, index, policy, block_hashes, prompt_tokens)
-    best.pending += 1
+    chosen = None
+    if not exclude:
+        chosen = _place_first(registry, index, policy, block_hashes, prompt_tokens, roles)
+    if chosen is None:  # a retry elsewhere, or none open: every worker read
+        open_ = _open(registry, policy, roles, exclude)
+        size, largest = _block_size(open_)
+        tokens = max(prompt_tokens, len(block_hashes) * largest)
+        best, longest = _best(_loads(open_, policy), index, policy, block_hashes, tokens, size)
+    else:
+        best, longest, tokens = chosen
+    prompt_tokens = tokens
+    registry.placed(best)
     # what the worker has itself or can load: only the rest needs a prefill
     decision = Decision(best, len(index.prefix_by_tier(best.worker_id, block_hashes)))
     decision.longest_blocks = longest
@@ -162,6 +256,9 @@ def place(
         decision.refused_prefills = len(prefills) - len(compatible)
         prefills = compatible
         if prefills:
-            decision.prefill, _ = _best(prefills, index, policy, block_hashes, prompt_tokens)
-            decision.prefill.pending += 1
+            size, _ = _block_size(prefills)
+            decision.prefill, _ = _best(
+                _loads(prefills, policy), index, policy, block_hashes, prompt_tokens, size
+            )
+            registry.placed(decision.prefill)
     return decision

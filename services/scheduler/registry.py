@@ -6,6 +6,7 @@ one whose reports stop for `heartbeat_timeout` is dropped from placement.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class WorkerState:
     waiting: int = 0
     kv_usage: float = 0.0
     pending: int = 0  # placed since the last load report, not yet in its counts
+    seq: int = 0  # its place in the registry's order (ties in placement go to the first)
 
     @property
     def load(self) -> int:
@@ -42,16 +44,36 @@ class Registry:
         self.heartbeat_timeout = heartbeat_timeout
         self.clock = clock
         self.workers: dict[str, WorkerState] = {}
+        self._seq = itertools.count()
+        # What follows the workers' state (placement.OpenWorkers: its open workers and
+        # their loads, kept as each worker's state changes instead of read from every
+        # worker for every request): told each change. Change a worker's state only
+        # through these methods.
+        self.readers: list = []
 
     def register(self, state: WorkerState) -> bool:
         """Adds or replaces a worker; True when it replaced one (a restart)."""
         state.registered_at = state.last_seen = self.clock()
-        replaced = state.worker_id in self.workers
+        old = self.workers.get(state.worker_id)
+        state.seq = old.seq if old is not None else next(self._seq)
         self.workers[state.worker_id] = state
-        return replaced
+        self._changed(state.worker_id)
+        return old is not None
 
     def deregister(self, worker_id: str) -> WorkerState | None:
-        return self.workers.pop(worker_id, None)
+        state = self.workers.pop(worker_id, None)
+        if state is not None:
+            self._changed(worker_id)
+        return state
+
+    def placed(self, state: WorkerState) -> None:
+        """A request was placed on `state` (counted until its next load report)."""
+        state.pending += 1
+        self._changed(state.worker_id)
+
+    def _changed(self, worker_id: str) -> None:
+        for reader in self.readers:
+            reader.changed(worker_id)
 
     def on_load(self, worker_id: str, running: int, waiting: int, kv_usage: float) -> bool:
         state = self.workers.get(worker_id)
@@ -60,6 +82,7 @@ class Registry:
         state.last_seen = self.clock()
         state.running, state.waiting, state.kv_usage = running, waiting, kv_usage
         state.pending = 0
+        self._changed(worker_id)
         return True
 
     def touch_all(self) -> None:
@@ -67,6 +90,7 @@ class Registry:
         now = self.clock()
         for state in self.workers.values():
             state.last_seen = now
+            self._changed(state.worker_id)
 
     def is_ready(self, state: WorkerState) -> bool:
         return self.clock() - state.last_seen <= self.heartbeat_timeout
@@ -84,4 +108,5 @@ class Registry:
         gone = [w for w in self.workers.values() if not self.is_ready(w)]
         for state in gone:
             del self.workers[state.worker_id]
+            self._changed(state.worker_id)
         return gone
