@@ -62,8 +62,11 @@ class TokenCheck(grpc.aio.ServerInterceptor):
                 return await continuation(details)
             if caller is not None:
                 _log_refusal(details.method, caller, " may not call it")
-                return _refusal(await continuation(details), grpc.StatusCode.PERMISSION_DENIED,
-                                f"{callers.role_of(caller)} services may not call this")
+                return _refusal(
+                    await continuation(details),
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{callers.role_of(caller)} services may not call this",
+                )
         _log_refusal(details.method, "a wrong" if given else "no", " mesh token")
         return _refusal(await continuation(details))
 
