@@ -25,7 +25,6 @@ from engine import LLM, SamplingParams
 from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
-from services.common.processes import free_port
 from services.common.tls import aio_channel, sync_channel
 from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
@@ -42,7 +41,7 @@ def _spec(model_dir, keys, kvstore_argv) -> MeshSpec:
     return MeshSpec(
         model=str(model_dir("tiny-llama")),
         workers=1,
-        port=free_port(),
+        port=0,  # the gateway binds any free port and names it
         gateway_argv=["--api-keys", str(keys)],
         engine_argv=["--device", "cpu", "--dtype", "float32"],
         worker_argv=["--kv-write-through", "all", "--load-interval", "0.2"],
