@@ -243,7 +243,7 @@ def test_placement_follows_reports_registrations_and_silence_as_reading_every_wo
                     place(registry, index, policy, prompt, 100)
                 errors += 1
                 continue
-            size, largest = _block_size(open_)
+            size, largest = _block_size({w.block_size for w in open_})
             tokens = max(100, len(prompt) * largest)
             expected, _ = _best(_loads(open_, policy), index, policy, prompt, tokens, size)
             assert place(registry, index, policy, prompt, 100).worker is expected, step

@@ -39,8 +39,12 @@ class PlacementPolicy:
     disagg_min_tokens: int = 512
 
     def capacity(self, w: WorkerState) -> int:
-        extra = w.max_num_seqs if self.max_waiting is None else self.max_waiting
-        return w.max_num_seqs + extra
+        return _capacity(w, self.max_waiting)
+
+
+def _capacity(w: WorkerState, max_waiting: int | None) -> int:
+    """Requests a worker may run and queue (PlacementPolicy.capacity)."""
+    return w.max_num_seqs + (w.max_num_seqs if max_waiting is None else max_waiting)
 
 
 @dataclass(slots=True)
@@ -97,16 +101,18 @@ def _loads(workers: list[WorkerState], policy: PlacementPolicy) -> dict:
     """worker id -> (its load in prompt tokens, its requests, its order, the worker):
     the part of a worker's cost that is the same for every prompt."""
     per_request, per_memory = policy.request_tokens, policy.memory_tokens
-    loads = {}
-    for w in workers:
-        n = w.running + w.waiting + w.pending
-        loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, w.seq, w)
-    return loads
+    return {w.worker_id: _load(w, per_request, per_memory) for w in workers}
 
 
-def _block_size(workers) -> tuple[int | None, int]:
-    """The workers' block size if they share one (else None), and the largest."""
-    sizes = {w.block_size for w in workers}
+def _load(w: WorkerState, per_request: float, per_memory: float) -> tuple:
+    """(its load in prompt tokens, its requests, its order, the worker)."""
+    n = w.running + w.waiting + w.pending
+    return (per_request * n + per_memory * w.kv_usage, n, w.seq, w)
+
+
+def _block_size(sizes) -> tuple[int | None, int]:
+    """Of the workers' distinct block sizes: the one they share (else None), and the
+    largest."""
     return (next(iter(sizes)) if len(sizes) == 1 else None), max(sizes)
 
 
@@ -115,15 +121,13 @@ def _open(registry: Registry, policy: PlacementPolicy, roles, exclude) -> list[W
     over the registry (it runs for every request, over every worker); raises when
     none is ready, or none is open."""
     since = registry.clock() - registry.heartbeat_timeout
-    extra = policy.max_waiting  # policy.capacity, inline
     open_ = [
         w
         for w in registry.workers.values()
         if w.last_seen >= since
         and w.role in roles
         and w.worker_id not in exclude
-        and w.running + w.waiting + w.pending
-        < w.max_num_seqs + (w.max_num_seqs if extra is None else extra)
+        and w.load < policy.capacity(w)
     ]
     if not open_:
         if not any(w.role in roles and w.worker_id not in exclude for w in registry.ready()):
@@ -155,34 +159,25 @@ class OpenWorkers:
             self._put(w)
 
     def changed(self, worker_id: str) -> None:
-        self._drop(worker_id)
+        self.drop(worker_id)
         w = self.registry.workers.get(worker_id)
         if w is not None:
             self._put(w)
 
     def _put(self, w: WorkerState) -> None:
-        per_request, per_memory, extra = self.weights
-        n = w.running + w.waiting + w.pending
-        if w.role in self.roles and n < w.max_num_seqs + (
-            w.max_num_seqs if extra is None else extra
-        ):
-            self.loads[w.worker_id] = (per_request * n + per_memory * w.kv_usage, n, w.seq, w)
+        per_request, per_memory, max_waiting = self.weights
+        if w.role in self.roles and w.load < _capacity(w, max_waiting):
+            self.loads[w.worker_id] = _load(w, per_request, per_memory)
             self.sizes[w.block_size] = self.sizes.get(w.block_size, 0) + 1
 
     def drop(self, worker_id: str) -> None:
         """Leaves out a worker until its state changes again."""
-        self._drop(worker_id)
-
-    def _drop(self, worker_id: str) -> None:
         old = self.loads.pop(worker_id, None)
         if old is not None:
             size = old[3].block_size
             self.sizes[size] -= 1
             if not self.sizes[size]:
                 del self.sizes[size]
-
-    def block_size(self) -> tuple[int | None, int]:
-        return (next(iter(self.sizes)) if len(self.sizes) == 1 else None), max(self.sizes)
 
 
 def _weights(policy: PlacementPolicy) -> tuple:
@@ -205,7 +200,7 @@ def _place_first(registry, index, policy, block_hashes, prompt_tokens, roles):
     view = _view(registry, policy, roles)
     since = registry.clock() - registry.heartbeat_timeout
     while view.loads:
-        size, largest = view.block_size()
+        size, largest = _block_size(view.sizes)
         tokens = max(prompt_tokens, len(block_hashes) * largest)
         best, longest = _best(view.loads, index, policy, block_hashes, tokens, size)
         if best.last_seen >= since:
@@ -228,7 +223,7 @@ def place(
         chosen = _place_first(registry, index, policy, block_hashes, prompt_tokens, roles)
     if chosen is None:  # a retry elsewhere, or none open: every worker read
         open_ = _open(registry, policy, roles, exclude)
-        size, largest = _block_size(open_)
+        size, largest = _block_size({w.block_size for w in open_})
         tokens = max(prompt_tokens, len(block_hashes) * largest)
         best, longest = _best(_loads(open_, policy), index, policy, block_hashes, tokens, size)
     else:
@@ -256,7 +251,7 @@ def place(
         decision.refused_prefills = len(prefills) - len(compatible)
         prefills = compatible
         if prefills:
-            size, _ = _block_size(prefills)
+            size, _ = _block_size({w.block_size for w in prefills})
             decision.prefill, _ = _best(
                 _loads(prefills, policy), index, policy, block_hashes, prompt_tokens, size
             )
