@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+THREAD_PARTS = ("step", "calls", "requests", "housekeeping", "publish", "idle")
 
 
 class EngineThread:
@@ -25,7 +26,8 @@ class EngineThread:
         self._pending: list[tuple[str, str, dict]] = []  # (kind, request_id, kwargs)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
-        self._stats = engine.get_stats()
+        self._times = dict.fromkeys(THREAD_PARTS, 0.0)
+        self._stats = engine.get_stats() | {"engine_thread_seconds": dict(self._times)}
         self._stats_at, self._stale = time.monotonic(), False
         self._events = KVEvents()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -108,8 +110,10 @@ class EngineThread:
         if not pending:
             return
         for kind, request_id, kwargs in pending:
+            start = time.perf_counter()
             if kind == "call":
                 self._run_call(**kwargs)
+                self._times["calls"] += time.perf_counter() - start
                 continue
             try:
                 if kind == "abort":
@@ -118,6 +122,7 @@ class EngineThread:
                     self.engine.add_request(request_id, **kwargs)
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
+            self._times["requests"] += time.perf_counter() - start
         self._publish()
 
     def _run_call(self, fn, future, loop) -> None:
@@ -162,16 +167,23 @@ class EngineThread:
             self._fail_all(RuntimeError(f"the engine stopped: {exc}"))
 
     def _loop(self) -> None:
+        times = self._times
         while not self.stopped:
             self._apply_pending()
-            if self.engine.housekeeping():
+            start = time.perf_counter()
+            freed = self.engine.housekeeping()
+            times["housekeeping"] += time.perf_counter() - start
+            if freed:
                 self._publish()  # freed blocks show in the next load report
             if not self.engine.has_work():
-                if self._stale:
+                if self._stale or time.monotonic() - self._stats_at >= 1.0:
                     self._publish(force=True)  # the snapshot readers see while idle
+                start = time.perf_counter()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                times["idle"] += time.perf_counter() - start
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
@@ -182,6 +194,8 @@ class EngineThread:
                 for request_id in ids:
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"), True)
                 continue
+            finally:
+                times["step"] += time.perf_counter() - start
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
             self._publish()
@@ -189,11 +203,14 @@ class EngineThread:
     def _publish(self, force: bool = False) -> None:
         """Refreshes the stats snapshot (at most every 50 ms: it walks every block
         table) and hands on KV events (every time: placement wants them early)."""
+        start = time.perf_counter()
         now = time.monotonic()
         self._stale = True
         if force or now - self._stats_at >= 0.05:
-            self._stats, self._stats_at, self._stale = self.engine.get_stats(), now, False
+            stats = self.engine.get_stats() | {"engine_thread_seconds": dict(self._times)}
+            self._stats, self._stats_at, self._stale = stats, now, False
         events = self.engine.drain_kv_events()
         if events:
             with self._lock:
                 self._events.extend(events)
+        self._times["publish"] += time.perf_counter() - start

@@ -34,6 +34,7 @@ from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.stats import engine_stats
+from engine.step_timing import StepTiming
 from engine.stepping import Step, complete, launch, pipelined
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class LLMEngine:
             self.async_scheduling = self.runner.device.type == "cuda"
         # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
         self.pipeline_depth = self.config.pipeline_parallel_size
+        self.timing = StepTiming(self.runner.device.type == "cuda")
         self.pipeline: deque[Step] = deque()
         if self.pipeline_depth > 1:
             self.async_scheduling = False
@@ -350,7 +352,9 @@ class LLMEngine:
 
     # -- reporting -----------------------------------------------------------
     def get_stats(self) -> dict:
-        return engine_stats(self.scheduler, self.kv, self.runner, self.tiers.host)
+        return engine_stats(self.scheduler, self.kv, self.runner, self.tiers.host) | (
+            self.timing.stats()
+        )
 
     def drain_kv_events(self) -> KVEvents:
         return self.tiers.drain_events()

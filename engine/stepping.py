@@ -35,6 +35,7 @@ class Step:
     sample: PendingSample | None = None
     overlap: bool = False
     error: str | None = None
+    timing: object | None = None  # the device's events around it, for one step in a few
 
 
 def launch(engine) -> Step | None:
@@ -57,9 +58,11 @@ def launch(engine) -> Step | None:
     try:
         if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
             engine.runner.model.layer_hook = engine.disagg.layer_hook(handoffs)
+        start = engine.timing.begin()
         step.sample = engine.runner.launch(
             batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
         )
+        step.timing = engine.timing.end(start)
     except Exception as exc:  # the step is lost; its requests end with the cause
         logger.exception("model step failed")
         step.error = f"model step failed: {exc}"
@@ -122,7 +125,11 @@ def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
     error, result = step.error, None
     if error is None and step.sample is not None:
         try:
+            waited = time.perf_counter()
+            step.sample.wait()
+            waited = time.perf_counter() - waited
             result = step.sample.result()
+            engine.timing.done(step.timing, waited)
         except Exception as exc:  # a device error surfaces when the tokens are read
             logger.exception("model step failed")
             error = f"model step failed: {exc}"

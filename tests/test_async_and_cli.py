@@ -65,6 +65,34 @@ def test_leaving_the_stream_aborts_the_request(async_llm):
     assert asyncio.run(main())
 
 
+def test_the_engine_counts_its_steps_and_where_its_thread_spent_the_time(async_llm):
+    """A user diagnosing a slow worker reads how many steps ran, how long the engine
+    thread waited for them and what else it did (the worker exports these)."""
+
+    async def run(tokens: int) -> dict:
+        before = async_llm.get_stats()
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        async for _ in async_llm.generate([5, 6, 7, 8], params, request_id=f"count-{tokens}"):
+            pass
+        for _ in range(50):  # the snapshot is refreshed at most every 50 ms
+            await asyncio.sleep(0.06)
+            after = async_llm.get_stats()
+            if after["num_steps"] - before["num_steps"] >= tokens:
+                break
+        return before, after
+
+    before, after = asyncio.run(run(9))
+    # one prefill step sampling the first token, then one decode step per token after it
+    assert after["num_steps"] - before["num_steps"] == 9
+    assert after["step_wait_seconds"] >= before["step_wait_seconds"]
+    assert after["steps_device_timed"] == before["steps_device_timed"] == 0  # CPU: none timed
+    spent = {p: after["engine_thread_seconds"][p] - before["engine_thread_seconds"][p]
+             for p in after["engine_thread_seconds"]}  # fmt: skip
+    assert set(spent) == {"step", "calls", "requests", "housekeeping", "publish", "idle"}
+    assert spent["step"] > 0 and spent["requests"] > 0 and spent["idle"] > 0
+    assert all(v >= 0 for v in spent.values())
+
+
 def test_bad_request_raises_in_the_caller(async_llm):
     async def main():
         with pytest.raises(ValueError):

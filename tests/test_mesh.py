@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -299,6 +300,32 @@ def test_health_and_metrics(mesh):
         "yinian:inter_token_latency_seconds",
     ):
         assert f"{name}_count" in text
+
+
+def test_workers_export_their_steps_and_engine_thread_time(mesh):
+    """Each worker's metrics say how many steps it ran and where its engine thread's
+    time went, growing as it serves."""
+
+    def steps() -> float:
+        return sum(worker_metric(mesh, "yinian:engine_steps", where='kind="all"').values())
+
+    before = steps()
+    body = {"model": "tiny-llama", "prompt": "Count the steps", "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    assert post(mesh, "/v1/completions", body).status_code == 200
+
+    def thread(part: str) -> dict[str, float]:
+        return worker_metric(mesh, "yinian:engine_thread_seconds", where=f'part="{part}"')
+
+    deadline = time.monotonic() + 10  # reported every 0.5 s, refreshed every second idle
+    while time.monotonic() < deadline:
+        busy, idle = thread("step"), thread("idle")
+        if steps() >= before + 6 and len(idle) == 2 and all(v > 0 for v in idle.values()):
+            break
+        time.sleep(0.1)
+    assert steps() >= before + 6
+    assert len(busy) == 2 and sum(busy.values()) > 0, busy
+    assert all(v > 0 for v in idle.values()), idle
 
 
 def test_client_disconnect_cancels_downstream(mesh):

@@ -24,6 +24,9 @@ shared tier's writes cost from what the tiers' presence does;
 tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the default
 host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
 to tell which tier costs what the default mesh pays.
+Each mesh's result also says where its worker's engine thread spent the sweep
+(`engine`: steps a second, the host's and the device's time per step, each part
+of the thread's time as a share of it; from the worker's metrics).
 `--profile`: py-spy samples the worker, the gateway, the scheduler and the KV store
 over each sweep (which slows them a little: figures from a profiled run are not
 compared with others); the frames' ranking goes into the mesh's result as `profile`.
@@ -48,6 +51,7 @@ from bench.gpu.kv_serving_compare import (
 from bench.gpu.models import preset_folder
 from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
+from engine.engine_thread import THREAD_PARTS
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import wait_store_mapped, worker_metric
 
@@ -138,6 +142,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
                 "--result-filename", f"{name}.json",
             ])  # fmt: skip
             seconds = time.monotonic() - start
+            time.sleep(1.5)  # the workers' last reports (every 0.5 s; idle, every 1 s)
             after = _written(mesh)
             tunings = _log_lines(mesh, TUNED) - tunings
     finally:
@@ -157,6 +162,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
         "host_bytes_to_host": after["to_host"],
         "put_failures_in_logs": _log_lines(mesh, "put failed"),
         "kernel_tunings": tunings,
+        "engine": engine_times(before, after, seconds),
     } | ({"profile": profiler.top(40)} if profiler else {})
 
 
@@ -169,7 +175,32 @@ def _written(mesh: Mesh) -> dict:
         "bytes": total("yinian:kv_shared_bytes_total", 'direction="out"'),
         "dropped": total(dropped),
         "to_host": total("yinian:host_kv_bytes", 'direction="to_host"'),
-    } | {reason: total(dropped, f'reason="{reason}"') for reason in DROP_REASONS}
+        "steps": total("yinian:engine_steps", 'kind="all"'),
+        "steps_timed": total("yinian:engine_steps", 'kind="device_timed"'),
+        "wait": total("yinian:engine_step_seconds", 'kind="wait"'),
+        "device": total("yinian:engine_step_seconds", 'kind="device"'),
+    } | {reason: total(dropped, f'reason="{reason}"') for reason in DROP_REASONS} | {
+        f"thread_{part}": total("yinian:engine_thread_seconds", f'part="{part}"')
+        for part in THREAD_PARTS
+    }  # fmt: skip
+
+
+def engine_times(before: dict, after: dict, seconds: float) -> dict:
+    """Where the worker's engine thread spent the sweep (from its metrics before and
+    after): steps a second; per step, the host's time (the step's time less its
+    wait for the device) and the device's own (over the steps it timed); each
+    part's share of the thread's time over the sweep."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["steps"] or 1
+    total = sum(d[f"thread_{p}"] for p in THREAD_PARTS) or 1.0
+    return {
+        "steps": d["steps"],
+        "steps_per_s": d["steps"] / seconds if seconds else 0.0,
+        "host_ms_per_step": (d["thread_step"] - d["wait"]) / steps * 1e3,
+        "wait_ms_per_step": d["wait"] / steps * 1e3,
+        "device_ms_per_step": d["device"] / d["steps_timed"] * 1e3 if d["steps_timed"] else None,
+        "thread_shares": {p: d[f"thread_{p}"] / total for p in THREAD_PARTS},
+    }
 
 
 def _log_lines(mesh: Mesh, needle: str) -> int:
@@ -219,7 +250,22 @@ def main(argv: list[str] | None = None) -> dict:
         section.results["compared_with"] = compared
         section.results["pooled_to_bare"] = pooled(section.results, names)
         print_table(section.results, names)
+        print_engine_times(section.results, names)
         return section.results
+
+
+def print_engine_times(results: dict, names: list[str]) -> None:
+    for name in names:
+        e = (results.get(name) or {}).get("engine")
+        if not e:
+            continue
+        device = e["device_ms_per_step"]
+        shares = " ".join(f"{p} {v:.2f}" for p, v in e["thread_shares"].items())
+        print(
+            f"{name}: {e['steps']:.0f} steps, {e['steps_per_s']:.1f}/s; per step host "
+            f"{e['host_ms_per_step']:.2f} ms, wait {e['wait_ms_per_step']:.2f}, device "
+            f"{'-' if device is None else f'{device:.2f}'}; engine thread: {shares}"
+        )
 
 
 if __name__ == "__main__":

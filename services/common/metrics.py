@@ -100,6 +100,26 @@ HOST_KV_BLOCKS = Gauge(
     ["worker", "kind"],
     registry=WORKER,
 )
+ENGINE_STEPS = Gauge(
+    "yinian:engine_steps",
+    "Steps the engine has run: all of them; those whose device time was measured",
+    ["worker", "kind"],
+    registry=WORKER,
+)
+ENGINE_STEP_SECONDS = Gauge(
+    "yinian:engine_step_seconds",
+    "Seconds so far the engine thread waited for its steps on the device (wait); the "
+    "device's own time of the steps measured (device)",
+    ["worker", "kind"],
+    registry=WORKER,
+)
+ENGINE_THREAD_SECONDS = Gauge(
+    "yinian:engine_thread_seconds",
+    "Seconds so far the engine thread spent, by what it did (step, calls, requests, "
+    "housekeeping, publish, idle)",
+    ["worker", "part"],
+    registry=WORKER,
+)
 # Tensor/pipeline parallel workers, per rank
 RANK_BUSY_SECONDS = Gauge(
     "yinian:rank_busy_seconds",

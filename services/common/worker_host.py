@@ -239,8 +239,18 @@ class WorkerHost:
             )
             for kind, count in cache["host_blocks"].items():
                 metrics.HOST_KV_BLOCKS.labels(kind=kind, **labels).set(count)
+            self._report_steps(labels)
             await bus.publish(load_subject(self.config.worker_id), load_report(load))
             await asyncio.sleep(self.config.load_interval)
+
+    def _report_steps(self, labels: dict) -> None:
+        steps = self.reports.step_stats()
+        metrics.ENGINE_STEPS.labels(kind="all", **labels).set(steps["steps"])
+        metrics.ENGINE_STEPS.labels(kind="device_timed", **labels).set(steps["device_timed"])
+        metrics.ENGINE_STEP_SECONDS.labels(kind="wait", **labels).set(steps["wait_seconds"])
+        metrics.ENGINE_STEP_SECONDS.labels(kind="device", **labels).set(steps["device_seconds"])
+        for part, seconds in steps["thread_seconds"].items():
+            metrics.ENGINE_THREAD_SECONDS.labels(part=part, **labels).set(seconds)
 
     async def _report_kv_events(self, bus: EventBus, interval: float = 0.02) -> None:
         """KV events go out as soon as they exist, so placement learns of new

@@ -57,6 +57,17 @@ class WorkerReports:
             },
         }
 
+    def step_stats(self) -> dict:
+        """How many steps ran and where the engine thread's time went (seconds, so far)."""
+        stats = self.engine.get_stats()
+        return {
+            "steps": stats["num_steps"],
+            "wait_seconds": stats["step_wait_seconds"],
+            "device_seconds": stats["step_device_seconds"],
+            "device_timed": stats["steps_device_timed"],
+            "thread_seconds": stats["engine_thread_seconds"],
+        }
+
     def kv_events(self) -> KvEventBatch | None:
         """The next numbered batch of KV events; the first one says `reset`."""
         events = self.engine.drain_kv_events()
