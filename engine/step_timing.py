@@ -50,6 +50,7 @@ class StepTiming:
         self.wait_seconds += waited
         if timing is not None:
             start, end = timing
+            end.synchronize()  # recorded just after the step's read-back: done at once
             self.device_seconds += start.elapsed_time(end) / 1e3
             self.device_steps += 1
 
