@@ -194,6 +194,30 @@ def test_a_damaged_lent_block_is_caught_and_recomputed(memory_mesh, reference, m
     assert sum(worker_metric(memory_mesh, "yinian:kv_shared_rejected_blocks_total").values()) == 1
 
 
+def test_a_worker_told_not_to_lend_takes_the_stores_blocks_through_its_host_tier(
+    memory_mesh, reference
+):
+    """--no-kv-lend: the worker never maps the store's memory (nothing pinned for it),
+    and the shared tier still serves it, by copies into its host tier."""
+    prompt = random_prompts(500, (75,), seed=106)[0]
+    want, _ = expect(reference, prompt)
+    before = stored_blocks(memory_mesh, "A")
+    assert complete(memory_mesh, prompt)["choices"][0]["text"] == want
+    wait_until(lambda: stored_blocks(memory_mesh, "A") >= before + 4, what="the prompt's blocks")
+    worker = memory_mesh.child("worker-0")
+    command = worker.command
+    worker.command = [*command, "--no-kv-lend"]
+    try:
+        fresh_worker(memory_mesh)
+        answer = complete(memory_mesh, prompt)
+        assert answer["choices"][0]["text"] == want
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert lent_tokens(memory_mesh, "copied") == 64 and lent_tokens(memory_mesh, "lent") == 0
+        assert sum(worker_metric(memory_mesh, "yinian:kv_store_memory_mapped").values()) == 0
+    finally:
+        worker.command = command
+
+
 def lent_tokens(mesh, path: str) -> float:
     where = f'path="{path}"'
     return sum(worker_metric(mesh, "yinian:kv_shared_fetched_tokens_total", where=where).values())

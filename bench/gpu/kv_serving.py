@@ -11,7 +11,8 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-           [--meshes default,bare[,no_writes,copy_engine,host_only,store_only]] [--profile]
+           [--meshes default,bare[,no_writes,copy_engine,host_only,store_only,store_unlent]]
+           [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). A mesh named again runs again, stored as `name_2`, ...
 (`--meshes bare,default,bare,default`: each kind of mesh both first and after the
@@ -23,7 +24,8 @@ shared tier's writes cost from what the tiers' presence does;
 `copy_engine`: the default mesh with `YINIAN_HOST_COPY=engine` (blocks go to the host
 tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the default
 host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
-to tell which tier costs what the default mesh pays.
+to tell which tier costs what the default mesh pays; `store_unlent`: the default mesh
+whose worker does not map and pin the store's memory tier (`--no-kv-lend`).
 Each mesh's result also says where its worker's engine thread spent the sweep
 (`engine`: steps a second, the host's and the device's time per step, each part
 of the thread's time as a share of it; from the worker's metrics).
@@ -95,6 +97,8 @@ MESHES = {
     # without the store (`--no-kvstore`), the store without a host tier
     "host_only": (False, [], [], {}),
     "store_only": (True, ["--host-kv-cache-gb", "0"], [], {}),
+    # the default mesh whose worker does not map (nor pin) the store's memory tier
+    "store_unlent": (True, [], ["--no-kv-lend"], {}),
 }
 
 
@@ -113,7 +117,7 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
     try:
         # a worker pins the store's memory tier in the background once ready (~10 s for
         # 16 GiB): the warm-up and the sweep start after it, as a mesh serving for long would
-        mapped = wait_store_mapped(mesh) if kvstore else 0.0
+        mapped = wait_store_mapped(mesh) if kvstore and "--no-kv-lend" not in worker_extra else 0.0
         top = load.rates.split(",")[-1]
         bench_run([  # the warm-up: other prompts (a seed no rate of the sweep uses), not recorded
             "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,

@@ -41,6 +41,7 @@ class SharedKv:
         max_pending_bytes: int = 2048 << 20,
         index: KvIndex | None = None,
         verify_lent: bool = False,
+        lend: bool = True,
     ):
         if policy not in WRITE_THROUGH:
             raise ValueError(f"write-through policy must be one of {WRITE_THROUGH}, got {policy!r}")
@@ -48,7 +49,7 @@ class SharedKv:
         # What the shared tier holds, from its events on NATS (the worker feeds it): a
         # prompt whose first block is not there costs no call to the store at all.
         self.index = index
-        self.reads = SharedKvReads(self.link, index, verify_lent)
+        self.reads = SharedKvReads(self.link, index, verify_lent, lend)
         self.writes = SharedKvWrites(self.link, policy, max_pending_bytes)
 
     @property
@@ -70,7 +71,7 @@ class SharedKv:
 
     async def introduce(self) -> None:
         """Before any request: the store maps this worker's host tier, and this worker
-        starts mapping (and on CUDA pinning) the store's memory tier."""
+        starts mapping (and on CUDA pinning) the store's memory tier, if it may (`lend`)."""
         await self.reads.introduce()
 
     async def prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int = 0) -> int:

@@ -29,20 +29,23 @@ VERIFY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix
 
 
 class SharedKvReads:
-    def __init__(self, link: SharedKvLink, index: KvIndex | None, verify_lent: bool = False):
+    def __init__(self, link: SharedKvLink, index: KvIndex | None, verify_lent: bool = False,
+                 lend: bool = True):  # fmt: skip
         self.link = link
         self.index = index
+        self.lend = lend  # False: the store's memory is never mapped here (no lent blocks)
         self.lent = LentBlocks(link, VERIFY_POOL if verify_lent else None)
 
     async def introduce(self) -> None:
         """Names this worker's host tier to the store ahead of any block, so that it
         maps the memory now and not on the first fetch (a GetInto of no blocks), and
-        starts mapping the store's memory tier here (in the background)."""
+        starts mapping the store's memory tier here (in the background), if it may."""
         link = self.link
         if link.region is not None:
             if await link.client.map_region(link.region, link.block_bytes) is None:
                 link.no_region()
-        await self.lent.introduce()
+        if self.lend:
+            await self.lent.introduce()
 
     async def prefetch(self, prompt_ids: list[int], tenant: str, public_tokens: int = 0) -> int:
         """Fetches the prompt's missing leading blocks from the shared tier: those the

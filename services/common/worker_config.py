@@ -55,6 +55,12 @@ class WorkerSettings(TlsSettings):
         "GiB on an H200 host; blocks that come by value or through the host tier are always "
         "checked",
     )
+    kv_lend: bool = setting(
+        True,
+        "copy the blocks a KV store on this host holds straight from its memory tier to the "
+        "device: this worker maps that tier and (on CUDA) pins it after start (seconds, and "
+        "as much host memory as the tier); --no-kv-lend: they come through the host tier",
+    )
     drain_timeout: float = setting(
         30.0,
         "on SIGTERM, seconds the worker, already out of placement, lets its streams finish "

@@ -109,7 +109,7 @@ class WorkerHost:
             self.shared = SharedKv(
                 self.engine, client, config.worker_id, config.kv_write_through,
                 max_pending_bytes=config.kv_write_queue_bytes, index=KvIndex(),
-                verify_lent=config.kv_verify_lent_blocks,
+                verify_lent=config.kv_verify_lent_blocks, lend=config.kv_lend,
             )  # fmt: skip
             self.on_close(client.close)
             self.on_close(self.shared.drain)
