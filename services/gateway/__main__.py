@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from services.common.entry import run_service
+from services.common.entry import exit_process, run_service
 from services.gateway.app import run
 from services.gateway.config import parse
 
@@ -14,4 +12,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
