@@ -26,7 +26,7 @@ class HostBlockPool:
             raise ValueError(f"the host tier needs at least 1 block, got {num_blocks}")
         self.num_blocks = num_blocks
         # slot -> its hash (None: empty), oldest first; holds exactly the unpinned slots
-        self._lru: OrderedDict[int, int | None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._lru: OrderedDict[int, int | None] = OrderedDict.fromkeys(range(num_blocks))
         self._slot_of: dict[int, int] = {}  # hash -> slot (cached or being written)
         self._hash_of: dict[int, int] = {}  # slot -> hash, for every slot holding one
         self._pins: dict[int, int] = {}  # slot -> pin count
