@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench.loadgen.cli import run
 from yinian.mesh import Mesh, MeshSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TRACE = Path(__file__).parents[1] / "bench" / "loadgen" / "data" / "mooncake_small.jsonl"
 
 
 def test_bench_serve_against_the_mesh(model_dir, tmp_path):
@@ -45,7 +47,20 @@ def test_bench_serve_against_the_mesh(model_dir, tmp_path):
                 "tpot:1000",
             ]
         )
-    assert rc == 0
+        trace_rc = run(
+            ["serve", "--base-url", mesh.url, "--model", folder, "--model-name", "tiny-llama",
+             "--dataset-name", "mooncake", "--dataset-path", str(TRACE), "--num-prompts", "30",
+             "--prompt-format", "ids", "--mooncake-slowdown-factor", "0.25", "--disable-tqdm",
+             "--no-plots", "--result-dir", str(tmp_path), "--result-filename", "trace.json"]
+        )  # fmt: skip
+    assert rc == 0 and trace_rc == 0
+    # a replayed trace: every request served, sent at its time, its shared blocks cached
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["completed"] == 30 and trace["failed"] == 0
+    stamps = [json.loads(line)["timestamp"] for line in TRACE.read_text().splitlines()[:30]]
+    late = [s - (t - stamps[0]) / 1e3 * 0.25 for s, t in zip(trace["start_times"], stamps)]
+    assert min(late) > -0.01 and max(late) < 0.5, late
+    assert trace["ideal_cached_tokens_total"] > 0 and trace["cached_of_ideal"] >= 0.9
     sweep = json.loads((tmp_path / "mesh-sweep.json").read_text())
     assert len(sweep["runs"]) == 2
     for r in sweep["runs"]:

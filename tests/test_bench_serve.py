@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,3 +371,79 @@ def test_max_concurrency_is_respected(server, tok_dir, tmp_path):
     assert rc == 0 and r["completed"] == 12
     assert server.stats.peak_in_flight == 3
     assert r["max_concurrent_requests"] <= 3
+
+
+TRACE = Path(__file__).parents[1] / "bench" / "loadgen" / "data" / "mooncake_small.jsonl"
+
+
+def test_a_mooncake_trace_shares_blocks_where_its_hash_ids_do(tok):
+    reqs = datasets.mooncake_requests(tok, str(TRACE), 40, block_tokens=512)
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines()[:40]]
+    assert [r.prompt_len for r in reqs] == [row["input_length"] for row in rows]
+    assert [r.output_len for r in reqs] == [row["output_length"] for row in rows]
+    assert [r.send_at for r in reqs] == [(row["timestamp"] - rows[0]["timestamp"]) / 1e3
+                                         for row in rows]  # fmt: skip
+    allowed = set(datasets.allowed_token_ids(tok).tolist())
+    for a, ra in zip(reqs, rows):
+        assert set(a.prompt) <= allowed  # no special token inside a prompt
+        for b, rb in zip(reqs, rows):
+            for k, (ha, hb) in enumerate(zip(ra["hash_ids"], rb["hash_ids"])):
+                block_a, block_b = a.prompt[k * 512 : (k + 1) * 512], b.prompt[k * 512 :][:512]
+                n = min(len(block_a), len(block_b), 32)
+                if n >= 8:  # a block's first tokens, compared where both have enough
+                    assert (block_a[:n] == block_b[:n]) == (ha == hb), (ra, rb, k)
+
+
+def test_a_trace_is_sent_at_its_own_times(server, tok_dir, tmp_path):
+    server.configure(first_token_s=0.0, interval_s=0.001, num_tokens=2)
+    rc, r = bench(
+        server, tok_dir, tmp_path, "--dataset-name", "mooncake", "--dataset-path", str(TRACE),
+        "--prompt-format", "ids", "--num-prompts", "12", "--mooncake-slowdown-factor", "0.1",
+        "--num-warmups", "0", "--no-plots",
+    )  # fmt: skip
+    assert rc == 0 and r["completed"] == 12
+    stamps = [json.loads(line)["timestamp"] for line in TRACE.read_text().splitlines()[:12]]
+    expected = (np.asarray(stamps) - stamps[0]) / 1e3 * 0.1
+    assert np.abs(np.asarray(r["start_times"]) - expected).max() < 0.02
+    assert r["dataset"]["name"] == "mooncake" and r["dataset"]["slowdown"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2}', "missing hash_ids"),
+        ('{"timestamp": -1, "input_length": 10, "output_length": 2, "hash_ids": [1]}',
+         "timestamp must be"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 2, "hash_ids": []}',
+         "input_length must be"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1]}',
+         "1 hash ids for 600 tokens (2 blocks of 512)"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [true]}',
+         "hash_ids must be"),
+    ],
+)  # fmt: skip
+def test_a_bad_trace_line_is_named_and_refused(tok, tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+                    + line + "\n")  # fmt: skip
+    with pytest.raises(ValueError, match="line 2") as info:
+        datasets.mooncake_requests(tok, str(path), 10)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--request-rate", "4"], "sent at its own times"),
+        (["--backend", "openai-chat"], "/v1/completions only"),
+        (["--prompt-format", "text"], "use --prompt-format ids"),
+    ],
+)
+def test_a_trace_with_flags_it_cannot_honour_is_refused(server, tok_dir, tmp_path, extra,
+                                                         message):  # fmt: skip
+    argv = ["--dataset-name", "mooncake", "--dataset-path", str(TRACE), "--num-prompts", "2",
+            "--prompt-format", "ids", *extra]  # fmt: skip
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        bench(server, tok_dir, tmp_path, *argv)

@@ -47,7 +47,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed_flags: tuple[str, ...]) -
     g.add_argument("--dataset-name", choices=datasets.DATASETS, default="random",
                    help="the prompts: random token ids, ShareGPT conversations, repeated "
                    "prefixes, or multi-turn conversations")  # fmt: skip
-    g.add_argument("--dataset-path", help="ShareGPT JSON file (sharegpt)")
+    g.add_argument("--dataset-path", help="ShareGPT JSON file (sharegpt), trace JSONL (mooncake)")
     g.add_argument("--num-prompts", type=int, default=1000, help="requests sent (per rate)")
     g.add_argument(*seed_flags, dest="seed", type=int, default=0, help="dataset and arrival seed")
     g.add_argument(
@@ -81,6 +81,14 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed_flags: tuple[str, ...]) -
                    help="tokens of each user message (multi-turn)")  # fmt: skip
     g.add_argument("--multi-turn-output-len", type=int, default=64,
                    help="tokens to generate per turn (multi-turn)")  # fmt: skip
+    g.add_argument("--mooncake-block-size", type=int, default=512,
+                   help="tokens a trace's hash id stands for (mooncake)")  # fmt: skip
+    g.add_argument(
+        "--mooncake-slowdown-factor",
+        type=float,
+        default=1.0,
+        help="stretches the trace's times: 2 sends at half its pace (mooncake)",
+    )
 
 
 def build_requests(args, tok) -> tuple[list[datasets.BenchRequest], dict]:
@@ -110,6 +118,15 @@ def build_requests(args, tok) -> tuple[list[datasets.BenchRequest], dict]:
             output_len=args.prefix_repetition_output_len,
         )
         reqs = datasets.prefix_repetition_requests(tok, n, **_pick(info), prompt_format=fmt)
+    elif name == "mooncake":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name mooncake needs --dataset-path FILE (a JSONL trace)")
+        info.update(path=args.dataset_path, block_tokens=args.mooncake_block_size,
+                    slowdown=args.mooncake_slowdown_factor)  # fmt: skip
+        reqs = datasets.mooncake_requests(
+            tok, args.dataset_path, n, seed, fmt, args.mooncake_block_size,
+            args.mooncake_slowdown_factor,
+        )  # fmt: skip
     else:  # multi-turn: num_prompts requests = users x turns
         turns = args.multi_turn_num_turns
         info.update(
@@ -138,6 +155,14 @@ def _serve(args) -> int:
         tokenizer = _served_folder(base_url, args.api_key)
     tok = datasets.load_tokenizer(tokenizer)
     rates = args.request_rates or [args.request_rate]
+    if args.dataset_name == "mooncake":
+        if rates != [math.inf]:
+            raise ValueError(
+                "a mooncake trace is sent at its own times: --request-rate(s) do not apply "
+                "(--mooncake-slowdown-factor does)"
+            )
+        if args.backend == "openai-chat" or "chat/completions" in (args.endpoint or ""):
+            raise ValueError("a mooncake trace's prompts are token ids: /v1/completions only")
     requests, info = build_requests(args, tok)
     per_rate = [requests] * len(rates)
     if len(rates) > 1 and not args.sweep_repeat_requests:

@@ -13,6 +13,8 @@ prompt_format="ids" the prompt is that same token list, sent as token ids.
 * multi-turn: users sharing one system prompt; a turn's prompt is the whole
   conversation so far. Assistant turns are synthetic (fixed length), so every
   server under test sees identical prompts.
+* mooncake: a trace in Mooncake's format (traces.py), token-id prompts whose
+  blocks are shared where their hash ids are, each sent at its timestamp.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "prefix-repetition", "multi-turn")
+from bench.loadgen import traces
+
+DATASETS = ("random", "sharegpt", "prefix-repetition", "multi-turn", "mooncake")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class BenchRequest:
     messages: list[dict] | None = None  # the same prompt for /v1/chat/completions
     conversation_id: int | None = None  # multi-turn: the user; turn k+1 waits for turn k
     turn: int = 0
+    send_at: float | None = None  # a trace's: seconds after the run starts
 
 
 def load_tokenizer(path: str | Path):
@@ -272,3 +277,23 @@ def check_prompt_lengths(tok, requests: list[BenchRequest]) -> list[tuple[int, i
         if seen != req.prompt_len:
             bad.append((i, req.prompt_len, seen))
     return bad
+
+
+def mooncake_requests(
+    tok,
+    path: str,
+    num_prompts: int,
+    seed: int = 0,
+    prompt_format: str = "ids",
+    block_tokens: int = traces.BLOCK_TOKENS,
+    slowdown: float = 1.0,
+) -> list[BenchRequest]:
+    """The first `num_prompts` entries of a Mooncake-format trace, as token-id prompts
+    sent at the trace's times (`slowdown` stretches them)."""
+    _check_format(prompt_format)
+    if prompt_format != "ids":
+        raise ValueError("a mooncake trace's prompts are token ids: use --prompt-format ids")
+    entries = traces.read_trace(path, num_prompts, block_tokens)
+    rows = traces.trace_requests(entries, allowed_token_ids(tok), seed, block_tokens, slowdown)
+    return [BenchRequest(r["prompt"], len(r["prompt"]), r["output_len"], send_at=r["send_at"])
+            for r in rows]  # fmt: skip

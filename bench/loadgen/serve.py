@@ -1,6 +1,7 @@
 """`yinian bench serve`: the load driver for OpenAI-compatible servers.
 
-Requests are sent on a seeded arrival schedule: all at once for rate inf,
+Requests are sent on a seeded arrival schedule (a trace's requests at their own
+times, whatever the rate): all at once for rate inf,
 else gaps drawn from a gamma distribution with shape `burstiness` and mean
 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
 in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
@@ -105,6 +106,8 @@ async def run_load(
     url = cfg.base_url.rstrip("/") + cfg.endpoint
     inputs = _inputs(cfg, requests, url)
     offsets = arrival_offsets(len(requests), rate, cfg.burstiness, cfg.seed)
+    if requests and all(r.send_at is not None for r in requests):
+        offsets = np.array([r.send_at for r in requests])  # a trace's own times
     turn_done = {
         (r.conversation_id, r.turn): asyncio.Event()
         for r in requests
