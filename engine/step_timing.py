@@ -1,8 +1,10 @@
 """Where an engine's steps spend their time, for metrics and benchmarks: how many
 steps ran, how long the engine thread waited for the device to finish them
 (reading their sampled tokens back), and on CUDA the device's own time for one
-step in every `every` (events recorded on the stream around its launch, read
-once its tokens are back, so nothing waits for them).
+step in every `every` that samples (events recorded on the stream around its
+launch, read once its tokens are back, so nothing waits for them; a step that
+samples nothing, a long prompt's chunk, is counted but not timed: reading its
+events would wait for it).
 
 A step's device time runs from when the stream reaches its first kernel to
 its last one: gaps in it are the device waiting for the host to queue more.

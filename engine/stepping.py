@@ -133,6 +133,8 @@ def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
         except Exception as exc:  # a device error surfaces when the tokens are read
             logger.exception("model step failed")
             error = f"model step failed: {exc}"
+    elif error is None:  # a step that sampled nothing (a prompt's chunk): counted, not timed
+        engine.timing.done(None, 0.0)
     if error is not None:
         for seq in step.seqs:
             if not seq.is_finished:
