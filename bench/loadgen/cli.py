@@ -155,13 +155,14 @@ def _serve(args) -> int:
         tokenizer = _served_folder(base_url, args.api_key)
     tok = datasets.load_tokenizer(tokenizer)
     rates = args.request_rates or [args.request_rate]
+    chat = args.backend == "openai-chat" or "chat/completions" in (args.endpoint or "")
     if args.dataset_name == "mooncake":
         if rates != [math.inf]:
             raise ValueError(
                 "a mooncake trace is sent at its own times: --request-rate(s) do not apply "
                 "(--mooncake-slowdown-factor does)"
             )
-        if args.backend == "openai-chat" or "chat/completions" in (args.endpoint or ""):
+        if chat:
             raise ValueError("a mooncake trace's prompts are token ids: /v1/completions only")
     requests, info = build_requests(args, tok)
     per_rate = [requests] * len(rates)
@@ -177,7 +178,6 @@ def _serve(args) -> int:
         raise ValueError("--max-concurrency must be >= 1")
     if args.max_active_conversations is not None and args.max_active_conversations < 1:
         raise ValueError("--max-active-conversations must be >= 1")
-    chat = args.backend == "openai-chat" or "chat/completions" in (args.endpoint or "")
     cfg = ServeConfig(
         base_url=base_url,
         endpoint=args.endpoint,
