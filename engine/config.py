@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from basis.flags import setting
+from engine.step_time_model import profile_names
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -112,6 +113,14 @@ class EngineConfig:
     )
     mock_step_ms: float = setting(5.0, "mock runner: each step's fixed time, ms")
     mock_token_us: float = setting(20.0, "mock runner: each new token's time in a step, us")
+    mock_device: str | None = setting(
+        None,
+        "mock runner: a fitted device profile (h200) whose roofline of the model's weights, KV "
+        "reads and FLOPs gives each step's time, in place of --mock-step-ms/--mock-token-us",
+    )
+    mock_time_scale: float = setting(
+        1.0, "mock runner: every step takes this many times its modelled time (slows a simulation)"
+    )
     # Benchmarks only: skews routing so expert balancing has something to balance.
     router_skew: float = setting(
         0.0,
@@ -149,6 +158,11 @@ class EngineConfig:
             raise ValueError(f"model_runner must be one of {_RUNNERS}, got {self.model_runner!r}")
         if self.mock_step_ms < 0 or self.mock_token_us < 0:
             raise ValueError("mock_step_ms and mock_token_us must be >= 0")
+        if not self.mock_time_scale > 0:
+            raise ValueError(f"mock_time_scale must be > 0, got {self.mock_time_scale}")
+        if self.mock_device is not None and self.mock_device not in profile_names():
+            known = ", ".join(profile_names())
+            raise ValueError(f"mock_device {self.mock_device!r} is not a profile; known: {known}")
         if self.router_skew < 0:
             raise ValueError(f"router_skew must be >= 0, got {self.router_skew}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:

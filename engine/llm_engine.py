@@ -83,7 +83,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # default: on where the device runs apart
-            self.async_scheduling = self.runner.device.type == "cuda"
+            # (a mock on a GPU's profile models the GPU, running apart as well)
+            mock_gpu = self.config.mock_device is not None
+            self.async_scheduling = self.runner.device.type == "cuda" or mock_gpu
         # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
         self.pipeline_depth = self.config.pipeline_parallel_size
         self.timing = StepTiming(self.runner.device.type == "cuda")
