@@ -137,3 +137,37 @@ def test_kv_serving_pools_repeated_rounds_against_the_bare_runs_and_their_spread
     assert out["default"][0]["output_throughput"] == 1000.0 / 1000.0
     assert out["bare_spread"][0]["median_ttft_ms"] == 60.0 / 50.0
     assert pooled({"bare": run(50.0, 1.0), "default": run(51.0, 1.0)}, ["bare", "default"]) == {}
+
+
+def test_kv_serving_pools_every_request_of_a_kind_over_its_runs(tmp_path):
+    """The pooled figures are those of all the kind's requests together (a failed
+    request left out), set over the bare runs'; a run missing a rate is skipped."""
+    import numpy as np
+
+    from bench.gpu.kv_serving_requests import pooled_requests
+
+    def write(name: str, ttfts: list[float], failed: int = 0) -> None:
+        n = len(ttfts)
+        e2els = [t + 0.127 * (1 + i % 3) for i, t in enumerate(ttfts)]
+        errors = ["boom"] * failed + [""] * (n - failed)
+        data = {"ttfts": ttfts, "e2els": e2els, "output_lens": [128] * n, "errors": errors}
+        (tmp_path / f"{name}-rate8.json").write_text(json.dumps(data))
+
+    rng = np.random.default_rng(3)
+    runs = {"bare": rng.uniform(0.04, 0.06, 320), "bare_2": rng.uniform(0.04, 0.09, 320),
+            "default": rng.uniform(0.04, 0.07, 320)}  # fmt: skip
+    for name, ttfts in runs.items():
+        write(name, list(ttfts), failed=2 if name == "default" else 0)
+    out = pooled_requests(tmp_path, ["bare", "default", "bare_2", "default_2"], [8.0, 16.0])
+    bare = np.concatenate([runs["bare"], runs["bare_2"]]) * 1e3
+    ours = runs["default"][2:] * 1e3
+    assert out["bare"][0]["requests"] == 640 and out["default"][0]["requests"] == 318
+    assert out["bare"][0]["p99_ttft_ms"] == pytest.approx(np.percentile(bare, 99))
+    assert out["default_to_bare"][0]["median_ttft_ms"] == pytest.approx(
+        np.median(ours) / np.median(bare)
+    )
+    # TPOT: the time after the first token over the 127 further tokens: 1, 2 or 3 ms
+    assert out["bare"][0]["p99_tpot_ms"] == pytest.approx(3.0)
+    assert out["bare"][1] == {"request_rate": 16.0, "requests": 0, "median_ttft_ms": None,
+                              "p99_ttft_ms": None, "p99_tpot_ms": None}  # fmt: skip
+    assert out["default_to_bare"][1]["p99_ttft_ms"] is None

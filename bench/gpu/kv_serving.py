@@ -26,6 +26,8 @@ tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the de
 host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
 to tell which tier costs what the default mesh pays; `store_unlent`: the default mesh
 whose worker does not map and pin the store's memory tier (`--no-kv-lend`).
+`pooled_requests`: each kind's requests over all its runs (TTFT p50/p99, TPOT p99),
+and each kind's over the bare runs' (bench/gpu/kv_serving_requests.py).
 Each mesh's result also says where its worker's engine thread spent the sweep
 (`engine`: steps a second, the host's and the device's time per step, each part
 of the thread's time as a share of it; from the worker's metrics).
@@ -50,6 +52,7 @@ from bench.gpu.kv_serving_compare import (
     ratios,
     run_names,
 )
+from bench.gpu.kv_serving_requests import pooled_requests
 from bench.gpu.models import preset_folder
 from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
@@ -253,9 +256,24 @@ def main(argv: list[str] | None = None) -> dict:
                 section.results[ratio_key(name)] = ratios(run, bare)
         section.results["compared_with"] = compared
         section.results["pooled_to_bare"] = pooled(section.results, names)
+        rates = [float(r) for r in load.rates.split(",")]
+        section.results["pooled_requests"] = pooled_requests(out_dir, names, rates)
         print_table(section.results, names)
+        print_pooled_requests(section.results["pooled_requests"])
         print_engine_times(section.results, names)
         return section.results
+
+
+def print_pooled_requests(pool: dict) -> None:
+    for kind, rows in pool.items():
+        for row in rows:
+            cells = ", ".join(
+                f"{k} {v:.3f}" if kind.endswith("_to_bare") else f"{k} {v:.1f}"
+                for k, v in row.items()
+                if k not in ("request_rate", "requests") and v is not None
+            )
+            count = f" ({row['requests']} requests)" if "requests" in row else ""
+            print(f"rate {row['request_rate']}: every request of {kind}{count}: {cells}")
 
 
 def print_engine_times(results: dict, names: list[str]) -> None:
