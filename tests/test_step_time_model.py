@@ -101,3 +101,27 @@ def test_a_mock_on_a_gpu_profile_queues_steps_ahead_and_answers_as_the_plain_moc
     sampled = SamplingParams(max_tokens=9, temperature=1.0, seed=5, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sampled)]
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, sampled)] == want
+
+
+def test_the_step_time_check_runs_a_mock_mesh_on_the_profile(tmp_path):
+    """A bounded slice of bench/step_time_check.py: three short requests through a mesh
+    whose worker is the mock on llama3-8b's H200 profile, set beside the committed
+    run; its first token comes no sooner than the profile's step for the prompt, the
+    others no faster than its one-row decode step (less the jitter of when the first
+    one reached the client)."""
+    from bench.step_time_check import main
+
+    out = tmp_path / "check.json"
+    result = main(["--out", str(out), "--rates", "16", "--prompts-per-rate", "3", "--scale", "1",
+                   "--input-len", "64", "--output-len", "4"])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    row = result["rows"][0]
+    assert (row["completed"], row["failed"], result["rc"]) == (3, 0, 0)
+    assert row["measured"]["runs"] == 2  # the committed run's two default meshes at 16 req/s
+    assert row["measured"]["median_tpot_ms"] == pytest.approx((8.40 + 8.55) / 2, abs=0.01)
+    model = StepTimeModel(ModelCosts.of(LLAMA3_8B), DeviceProfile.load("h200"))
+    assert row["simulated"]["median_ttft_ms"] >= model.seconds([(64, 0)]) * 1e3  # ~18 ms
+    assert row["simulated"]["median_tpot_ms"] >= 0.95 * model.seconds([(1, 64)]) * 1e3
+    assert row["ratio"]["median_tpot_ms"] == pytest.approx(
+        row["simulated"]["median_tpot_ms"] / row["measured"]["median_tpot_ms"]
+    )
