@@ -29,6 +29,16 @@ PRESET = "llama3-8b"
 SERVING_PROMPT = 1024  # serving.py's prompts: 1024 tokens, generating 128
 
 
+def service_ms(results: Path = RESULTS) -> float:
+    """The services' own part of a request's TTFT on the H200's host (gateway,
+    scheduler, worker, and back): a short prompt's TTFT through the mesh
+    (kvstore_9a48538.json) less a one-row step (decode_profile.json)."""
+    decode = json.loads((results / "decode_profile.json").read_text())
+    kvstore = json.loads((results / "kvstore_9a48538.json").read_text())
+    one = next(r for r in decode["runs"] if r["batch"] == 1)
+    return kvstore["ttft_by_tier"]["short_prompt_ms"] - one["wall_ms_per_step"]
+
+
 def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     costs = ModelCosts.of(ModelConfig.from_dict(preset_config(PRESET)))
     decode = json.loads((results / "decode_profile.json").read_text())
@@ -58,7 +68,7 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     attention_eff = extend["achieved"] / tflops
     tier = kvstore["ttft_by_tier"]
     tokens = tier["prompt_tokens"]
-    mesh_ms = tier["short_prompt_ms"] - one["wall_ms_per_step"]
+    mesh_ms = service_ms(results)
     prompt_ms = tier["none"]["ttft_ms"] - mesh_ms
     # a 1,024-token prompt: the lightest load a committed serving run has (serving.json,
     # 4 req/s), its TTFT p50 less the mesh's part and half a one-row step (the step in

@@ -125,3 +125,7 @@ def test_the_step_time_check_runs_a_mock_mesh_on_the_profile(tmp_path):
     assert row["ratio"]["median_tpot_ms"] == pytest.approx(
         row["simulated"]["median_tpot_ms"] / row["measured"]["median_tpot_ms"]
     )
+    # the H200 host's services (5.3 ms: a short prompt's TTFT there less a step) apart
+    assert result["gpu_service_ms"] == pytest.approx(9.774 - 4.483, abs=0.01)
+    served = row["simulated_with_service"]["median_ttft_ms"]
+    assert served == pytest.approx(row["simulated"]["median_ttft_ms"] + result["gpu_service_ms"])
