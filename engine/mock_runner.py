@@ -44,7 +44,8 @@ class MockRunner:
         self.kernel_mode, self.backend, self.graphs = "torch", None, None
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self.kv_spec.blocks_in(config.cpu_kv_cache_bytes)
-        # never written: memory the OS hands out only where something reads it
+        # the mock's steps never write it: memory the OS hands out only where something
+        # touches it (a block loaded from a tier or received from a prefill worker)
         self.kv_caches = list(
             torch.empty(
                 (self.kv_spec.num_layers, *self.kv_spec.layer_shape(self.num_blocks)),
