@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.fit_step_times import service_ms
+from bench.gpu.kv_serving_compare import kind_of
 from bench.loadgen.cli import run as bench_run
 from bench.loadgen.serve import written_runs
 from engine.make_model import preset_config, write_model
@@ -37,7 +38,7 @@ def reference_rows(path: Path, rates: list[float]) -> dict[float, dict]:
     """The mean of the reference file's default meshes (`default`, `default_2`, ...)
     at each rate."""
     data = json.loads(path.read_text())
-    runs = [v for k, v in data.items() if k.split("_2")[0] == "default" and "rows" in v]
+    runs = [v for k, v in data.items() if kind_of(k) == "default" and "rows" in v]
     out = {}
     for rate in rates:
         rows = [r for run in runs for r in run["rows"] if r["request_rate"] == rate]

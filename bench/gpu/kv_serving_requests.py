@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from bench.gpu.kv_serving_compare import kind_of
+from bench.loadgen.metrics import latency_stats
 
 FIGURES = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms")
 
@@ -26,27 +25,23 @@ def request_file(out_dir: Path, name: str, rate: float) -> Path:
 
 
 def request_figures(data: dict) -> tuple[list[float], list[float]]:
-    """(TTFT ms, TPOT ms) of each request that succeeded (TPOT of those with more
-    than one token)."""
+    """(TTFT s, TPOT s) of each request that succeeded (TPOT of those with more than
+    one token)."""
     ttfts, tpots = [], []
     for ttft, e2el, out, error in zip(
         data["ttfts"], data["e2els"], data["output_lens"], data["errors"]
     ):
         if error or ttft is None:
             continue
-        ttfts.append(ttft * 1e3)
+        ttfts.append(ttft)
         if out > 1:
-            tpots.append((e2el - ttft) / (out - 1) * 1e3)
+            tpots.append((e2el - ttft) / (out - 1))
     return ttfts, tpots
 
 
 def _figures(ttfts: list[float], tpots: list[float]) -> dict:
-    return {
-        "requests": len(ttfts),
-        "median_ttft_ms": float(np.median(ttfts)) if ttfts else None,
-        "p99_ttft_ms": float(np.percentile(ttfts, 99)) if ttfts else None,
-        "p99_tpot_ms": float(np.percentile(tpots, 99)) if tpots else None,
-    }
+    ttft, tpot = latency_stats("ttft", ttfts, [99]), latency_stats("tpot", tpots, [99])
+    return {"requests": len(ttfts)} | {k: (ttft | tpot)[k] for k in FIGURES}
 
 
 def pooled_requests(out_dir: Path, names: list[str], rates: list[float]) -> dict:

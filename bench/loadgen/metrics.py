@@ -36,7 +36,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
+def latency_stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     """mean/median/std/percentiles in ms; None (null) when there is no sample, so that
     a run where everything failed can never read as a fast one."""
     keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"]
@@ -118,7 +118,7 @@ def compute_metrics(
     }
     series = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
     for name in METRICS:
-        out.update(_stats(name, series[name], list(percentiles)))
+        out.update(latency_stats(name, series[name], list(percentiles)))
     return out
 
 
