@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from basis.model_config import ModelConfig
@@ -35,8 +36,23 @@ def service_ms(results: Path = RESULTS) -> float:
     (kvstore_9a48538.json) less a one-row step (decode_profile.json)."""
     decode = json.loads((results / "decode_profile.json").read_text())
     kvstore = json.loads((results / "kvstore_9a48538.json").read_text())
-    one = next(r for r in decode["runs"] if r["batch"] == 1)
-    return kvstore["ttft_by_tier"]["short_prompt_ms"] - one["wall_ms_per_step"]
+    return _service_ms(decode, kvstore)
+
+
+def _service_ms(decode: dict, kvstore: dict) -> float:
+    return kvstore["ttft_by_tier"]["short_prompt_ms"] - _run(decode, 1)["wall_ms_per_step"]
+
+
+def _run(decode: dict, batch: int) -> dict:
+    return next(r for r in decode["runs"] if r["batch"] == batch)
+
+
+def _solve(below, lo: float, hi: float) -> float:
+    """The x in [lo, hi] where `below(x)` turns false (bisection; true for x below it)."""
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    return (lo + hi) / 2
 
 
 def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
@@ -47,7 +63,7 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     serving = json.loads((results / "serving.json").read_text())
     copy = decode["copy_gbps"] * 1e9
     tflops = kernels["ceilings"]["matmul_bf16_tflops"]
-    one, many = (next(r for r in decode["runs"] if r["batch"] == b) for b in (1, 64))
+    one, many = _run(decode, 1), _run(decode, 64)
 
     def kv_read(run):
         return run["batch"] * (run["context"] + 1) * costs.kv_bytes_per_token
@@ -68,7 +84,7 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     attention_eff = extend["achieved"] / tflops
     tier = kvstore["ttft_by_tier"]
     tokens = tier["prompt_tokens"]
-    mesh_ms = service_ms(results)
+    mesh_ms = _service_ms(decode, kvstore)
     prompt_ms = tier["none"]["ttft_ms"] - mesh_ms
     # a 1,024-token prompt: the lightest load a committed serving run has (serving.json,
     # 4 req/s), its TTFT p50 less the mesh's part and half a one-row step (the step in
@@ -86,27 +102,21 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     )  # fmt: skip
 
     # a prompt's matmul rate and what a step with a prompt chunk costs beyond the
-    # roofline: the pair that gives both prompts' measured times (bisections; a
-    # prompt's time falls as the rate rises and rises with the step's extra)
-    def fitted_rate(extra_ms: float) -> DeviceProfile:
-        lo, hi = 0.05, 2.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            trial = _with(profile, matmul_efficiency=mid, prompt_step_ms=extra_ms)
-            if StepTimeModel(costs, trial).seconds([(tokens, 0)]) * 1e3 > prompt_ms:
-                lo = mid
-            else:
-                hi = mid
-        return _with(profile, matmul_efficiency=(lo + hi) / 2, prompt_step_ms=extra_ms)
+    # roofline: the pair that gives both prompts' measured times (a prompt's time
+    # falls as the rate rises and rises with the step's extra)
+    def prompt_ms_at(tokens: int, **fitted) -> float:
+        return StepTimeModel(costs, replace(profile, **fitted)).seconds([(tokens, 0)]) * 1e3
 
-    lo, hi = 0.0, short_ms
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if StepTimeModel(costs, fitted_rate(mid)).seconds([(short_tokens, 0)]) * 1e3 > short_ms:
-            hi = mid
-        else:
-            lo = mid
-    profile = fitted_rate((lo + hi) / 2)
+    def fitted_rate(extra_ms: float) -> dict:
+        def slow(e):
+            return prompt_ms_at(tokens, matmul_efficiency=e, prompt_step_ms=extra_ms) > prompt_ms
+
+        return {"matmul_efficiency": _solve(slow, 0.05, 2.0), "prompt_step_ms": extra_ms}
+
+    extra = _solve(
+        lambda x: prompt_ms_at(short_tokens, **fitted_rate(x)) <= short_ms, 0.0, short_ms
+    )
+    profile = replace(profile, **fitted_rate(extra))
     model = StepTimeModel(costs, profile)
     check = {
         "decode 1 row at 128: wall ms": (one["wall_ms_per_step"], _ms(model, one)),
@@ -122,10 +132,6 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
         ),
     }
     return profile, check
-
-
-def _with(profile: DeviceProfile, **changes) -> DeviceProfile:
-    return DeviceProfile(**{**profile.__dict__, **changes})
 
 
 def _ms(model: StepTimeModel, run: dict) -> float:

@@ -109,7 +109,6 @@ class StepTimeModel:
         flops = new * c.flops_per_token + sampled * c.head_flops
         compute = flops / (self._flops * p.matmul_efficiency)
         kv = attention = 0.0
-        prompt = any(n > 1 for n, _ in rows)
         for n, before in rows:
             if n == 1:
                 kv += (before + 1) * c.kv_bytes_per_token
@@ -118,5 +117,5 @@ class StepTimeModel:
         kv_s = kv / (self._copy * p.kv_efficiency)
         attention_s = attention / (self._flops * p.attention_efficiency)
         fixed = p.fixed_ms / 1e3 + len(rows) * p.per_row_us / 1e6
-        fixed += p.prompt_step_ms / 1e3 if prompt else 0.0
+        fixed += p.prompt_step_ms / 1e3 if attention else 0.0  # a prompt chunk is in it
         return fixed + max(read, compute) + kv_s + attention_s
