@@ -59,6 +59,15 @@ class UpProcess:
             assert time.monotonic() < deadline, f"no {text!r} in:\n{self.output}"
             time.sleep(0.1)
 
+    def ready_lines(self, worker: str) -> list[list[str]]:
+        """[address, "metrics", metrics address] of each READY line in a worker's log."""
+        logs = Path(re.search(r"\(logs in (\S+)\)", self.output).group(1))
+        return [line.split()[3:6] for line in (logs / f"{worker}.log").read_text().splitlines()
+                if line.startswith(f"READY worker {worker} ")]  # fmt: skip
+
+    def metrics_address(self, worker: str) -> str:
+        return self.ready_lines(worker)[-1][2]
+
     def children(self) -> dict[str, int]:
         """The services it runs: worker id (or module name) -> pid."""
         out = {}
@@ -101,7 +110,9 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
         decode_0 = up.children()["decode-0"]
         with ThreadPoolExecutor(16) as pool:
             streams = [pool.submit(stream, url, f"story {i}", 600) for i in range(16)]
-            time.sleep(1.5)
+            # killed once it decodes some of them (a fixed wait raced the prefills on a
+            # loaded CI host: the streams all went to decode-1 and none migrated)
+            _wait_running(up.metrics_address("decode-0"), timeout=60)
             subprocess.run(["kill", "-9", str(decode_0)], check=True)
             results = [s.result(timeout=150) for s in streams]
         assert [r.error for r in results if not r.success] == []
@@ -111,9 +122,7 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
         assert "decode-0 was killed by SIGKILL; restarting it" in up.output
         assert up.children()["decode-0"] != decode_0
         # on the same ports as before (the README's promise; scrapers and peers keep them)
-        logs = Path(re.search(r"\(logs in (\S+)\)", up.output).group(1))
-        ready = [line.split()[3:6] for line in (logs / "decode-0.log").read_text().splitlines()
-                 if line.startswith("READY worker decode-0 ")]  # fmt: skip
+        ready = up.ready_lines("decode-0")
         assert len(ready) == 2 and ready[0] == ready[1], ready
         for i in range(6):  # the restarted worker is placed on again, among the others
             after = httpx.post(f"{url}/v1/completions", timeout=30, json={
@@ -129,6 +138,13 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+def _wait_running(metrics_address: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while scrape(f"http://{metrics_address}/metrics", "yinian:num_requests_running") < 1:
+        assert time.monotonic() < deadline, f"nothing ran on {metrics_address}"
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:
