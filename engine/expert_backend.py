@@ -6,7 +6,7 @@ calls per MoE layer and micro-batch.
     out = experts.combine(handle)  # [T, hidden], the weighted sum over the top-k
 
 `LocalExperts` is the in-process path (the fused MoE kernel on this process's
-weights); a remote backend (services/common/experts) sends the tokens to
+weights); a remote backend (services/expert_parallel) sends the tokens to
 expert services instead. The engine knows nothing of how a backend moves
 tensors; a backend gets step boundaries to switch its placement at.
 """

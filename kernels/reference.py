@@ -124,7 +124,7 @@ def fused_moe(
 
 def moe_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """sum_k w_k * out_k: [T, k, H] expert outputs, [T, k] weights -> [T, H]. Remote
-    experts (services/common/experts) return unweighted outputs; the worker ends with this."""
+    experts (services/expert_parallel) return unweighted outputs; the worker ends with this."""
     return (pair_out * topk_weights.to(pair_out.dtype).unsqueeze(-1)).sum(dim=1)
 
 

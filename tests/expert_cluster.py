@@ -11,8 +11,8 @@ import time
 from basis.sampling_params import SamplingParams
 from engine import AsyncLLM
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
-from services.common.experts.control import ExpertControl
 from services.common.tls import sync_channel
+from services.expert_parallel.control import ExpertControl
 from yinian.mesh import Mesh, MeshSpec
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.experts.eplb import imbalance, rebalance_experts
+from services.expert_parallel.eplb import imbalance, rebalance_experts
 
 # deepseek-ai/EPLB README: 2 layers x 12 experts, 16 slots, 4 groups, 2 nodes, 8 GPUs.
 README_WEIGHT = torch.tensor(

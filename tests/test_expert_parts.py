@@ -12,11 +12,11 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.micro_batch import MicroBatchPolicy
 from kernels import reference
-from services.common.experts.group import ExpertGroup, Rendezvous
-from services.common.experts.placement import Member, Placement, expert_lists, expert_set
-from services.common.experts.remote import RemoteExperts
-from services.common.experts.wire import MemberPort, pack, row_bytes, unpack
-from services.common.kv_transport.nccl_group import abort_group, make_group, store_client
+from services.expert_parallel.group import ExpertGroup, Rendezvous
+from services.expert_parallel.placement import Member, Placement, expert_lists, expert_set
+from services.expert_parallel.remote import RemoteExperts
+from services.expert_parallel.wire import MemberPort, pack, row_bytes, unpack
+from services.kv_transport.nccl_group import abort_group, make_group, store_client
 
 pytestmark = pytest.mark.timeout(60)
 E, H, W, TOP_K = 6, 16, 8, 2

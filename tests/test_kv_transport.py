@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from services.common.kv_transport import cuda_ipc, nccl, registry, tcp
-from services.common.kv_transport.base import LayerPlan, TransferError, TransferStats
+from services.kv_transport import cuda_ipc, nccl, registry, tcp
+from services.kv_transport.base import LayerPlan, TransferError, TransferStats
 
 pytestmark = pytest.mark.timeout(60)
 

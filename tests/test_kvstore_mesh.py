@@ -26,9 +26,9 @@ from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
 from services.common.tls import aio_channel, sync_channel
-from services.common.worker_host import model_fingerprint
 from services.kvstore import block_format
 from services.kvstore.fingerprint import Fingerprint
+from services.worker.host import model_fingerprint
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import scheduler_metric, worker_metric
 

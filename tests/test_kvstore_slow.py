@@ -22,10 +22,10 @@ from redis_server import RedisServer, redis_server_binary
 from engine import AsyncLLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from services.common.kvstore_client import KvStoreClient
 from services.common.processes import free_port, start_nats, stop_process
-from services.common.shared_kv import SharedKv
-from services.common.worker_host import model_fingerprint
+from services.worker.host import model_fingerprint
+from services.worker.kvstore_client import KvStoreClient
+from services.worker.shared_kv import SharedKv
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
 DELAY = 0.1

@@ -14,10 +14,10 @@ from test_kvstore_slow import ENGINE, prompts
 
 from basis.block_hash import hash_prompt_blocks
 from engine import AsyncLLM, SamplingParams
-from services.common.kvstore_client import KvStoreClient
 from services.common.processes import start_nats, stop_process
-from services.common.shared_kv import SharedKv
-from services.common.worker_host import model_fingerprint
+from services.worker.host import model_fingerprint
+from services.worker.kvstore_client import KvStoreClient
+from services.worker.shared_kv import SharedKv
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server")
 

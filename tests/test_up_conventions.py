@@ -23,7 +23,7 @@ import pytest
 from test_supervisor import UpProcess
 
 from services.common import metrics
-from services.common.experts import metrics as _expert_metrics  # noqa: F401 - their families
+from services.expert_parallel import metrics as _expert_metrics  # noqa: F401 - their families
 
 URL = "http://127.0.0.1:8000"
 WEATHER = {"type": "function", "function": {

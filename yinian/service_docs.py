@@ -18,7 +18,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "structures.md"
 TABLES = {
     "gateway": ("services.gateway.config:GatewayConfig", None),
     "scheduler": ("services.scheduler.config:SchedulerConfig", None),
-    "worker": ("services.common.worker_config:WorkerSettings", None),
+    "worker": ("services.worker.settings:WorkerSettings", None),
     "decode": ("services.decode.config:DecodeConfig", "worker"),
     "kvstore": ("services.kvstore.config:KvStoreConfig", None),
     "expert": ("services.expert.config:ExpertConfig", None),

@@ -28,8 +28,8 @@ from bench.gpu.pd_kill import run_streams
 from bench.gpu.sections import Sections, script_parser
 from engine.make_model import preset_config, write_model
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
-from services.common.experts.eplb import imbalance, rebalance_experts
 from services.common.tls import sync_channel
+from services.expert_parallel.eplb import imbalance, rebalance_experts
 from yinian.mesh import Mesh, MeshSpec
 
 # (name, MoE layers, experts, services): Qwen3-30B-A3B over 8, DeepSeek-V3 over 32.

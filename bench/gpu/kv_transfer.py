@@ -31,10 +31,10 @@ import threading
 import torch
 import torch.multiprocessing as mp
 
-from services.common.kv_transport.base import LayerPlan, TransferStats
-from services.common.kv_transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender
-from services.common.kv_transport.nccl import NcclReceiver, NcclSender
-from services.common.kv_transport.tcp import TcpReceiver, TcpSender
+from services.kv_transport.base import LayerPlan, TransferStats
+from services.kv_transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from services.kv_transport.nccl import NcclReceiver, NcclSender
+from services.kv_transport.tcp import TcpReceiver, TcpSender
 
 REPS = 5
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than queueing 32 layers takes

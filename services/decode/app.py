@@ -1,16 +1,16 @@
 """The decode service's process: a worker host (engine, gRPC, registration,
-reports; services/common/worker_host.py) serving the `Decode` service, plus,
+reports; services/worker/host.py) serving the `Decode` service, plus,
 in the decode role, the client and receivers of KV handoffs."""
 
 from __future__ import annotations
 
 from proto.yinian.v1 import worker_pb2_grpc
-from services.common.worker_host import WorkerHost
 from services.decode.config import DecodeConfig
 from services.decode.decode_core import DecodeCore
 from services.decode.prefill_client import PrefillClient
 from services.decode.remote_prefill import RemotePrefill
 from services.decode.servicer import DecodeServicer
+from services.worker.host import WorkerHost
 
 
 async def run(config: DecodeConfig) -> None:

@@ -1,12 +1,12 @@
-"""The decode service's settings: a worker's settings (services/common/
-worker_config.py) plus its role and its side of the KV handoff."""
+"""The decode service's settings: a worker's settings (services/worker/
+settings.py) plus its role and its side of the KV handoff."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from basis.flags import setting
-from services.common.worker_config import WorkerSettings, parse_worker_config
+from services.worker.settings import WorkerSettings, parse_worker_config
 
 ROLES = ("colocated", "decode")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from engine import AsyncLLM, SamplingParams
 from engine.outputs import RequestOutput
-from services.common.shared_kv import SharedKv
 from services.decode.remote_prefill import HandoffTiming, RemotePrefill
+from services.worker.shared_kv import SharedKv
 
 
 @dataclass(slots=True)

@@ -11,9 +11,9 @@ from services.common.channels import WorkerChannels
 from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
 from services.common.grpc_streams import read_stream
-from services.common.handoff import PrefillResult, result_from_chunk
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles
+from services.worker.handoff import PrefillResult, result_from_chunk
 
 
 class PrefillClient:

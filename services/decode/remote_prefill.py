@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 
 from engine import AsyncLLM, Logprob, SamplingParams
-from services.common.kv_transport.base import KvReceiver
-from services.common.kv_transport.registry import choose_transport, make_receiver
+from services.kv_transport.base import KvReceiver
+from services.kv_transport.registry import choose_transport, make_receiver
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from services.common import metrics as common_metrics
 from services.common.bus import EventBus, expert_load_subject
 from services.common.channels import OPTIONS
 from services.common.entry import StartupError, stop_on_signals
-from services.common.experts.group import model_tag
 from services.common.grpc_server import GrpcServer
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.common.tls import aio_channel
@@ -28,6 +27,7 @@ from services.expert.expert_store import ExpertStore
 from services.expert.expert_weights import ExpertWeights
 from services.expert.servicer import ExpertServicer, load_message
 from services.expert.serving import GroupServer
+from services.expert_parallel.group import model_tag
 
 logger = logging.getLogger("services.expert")
 REREGISTER_SECONDS = 5.0

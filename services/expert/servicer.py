@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
-from services.common.experts import metrics
-from services.common.experts.placement import expert_lists
 from services.expert.expert_store import ExpertStore
 from services.expert.serving import GroupServer
+from services.expert_parallel import metrics
+from services.expert_parallel.placement import expert_lists
 
 
 def load_message(store: ExpertStore, expert_id: str, counts=None) -> expert_pb2.ExpertLoad:

@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from services.common.experts import metrics
-from services.common.experts.wire import MemberPort, row_bytes, unpack
-from services.common.kv_transport.nccl_group import (
+from services.expert.expert_store import ExpertStore
+from services.expert_parallel import metrics
+from services.expert_parallel.wire import MemberPort, row_bytes, unpack
+from services.kv_transport.nccl_group import (
     FOREVER,
     abort_group,
     make_group,
     store_client,
 )
-from services.expert.expert_store import ExpertStore
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")

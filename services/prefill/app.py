@@ -1,15 +1,15 @@
 """The prefill service's process: a worker host (engine, gRPC, registration,
-reports; services/common/worker_host.py) serving the `Prefill` service."""
+reports; services/worker/host.py) serving the `Prefill` service."""
 
 from __future__ import annotations
 
 import asyncio
 
 from proto.yinian.v1 import worker_pb2_grpc
-from services.common.worker_host import WorkerHost
 from services.prefill.config import PrefillConfig
 from services.prefill.prefill_core import PrefillCore, SenderSet
 from services.prefill.servicer import PrefillServicer
+from services.worker.host import WorkerHost
 
 
 async def run(config: PrefillConfig) -> None:

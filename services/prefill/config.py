@@ -1,11 +1,11 @@
-"""The prefill service's settings: a worker's settings (services/common/
-worker_config.py); its role is always `prefill`."""
+"""The prefill service's settings: a worker's settings (services/worker/
+settings.py); its role is always `prefill`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.worker_config import WorkerSettings, parse_worker_config
+from services.worker.settings import WorkerSettings, parse_worker_config
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from engine import AsyncLLM, SamplingParams
 from engine.disaggregation import Handoff
-from services.common.handoff import PrefillResult
-from services.common.kv_transport.base import KvSender, LayerPlan, TransferError
-from services.common.kv_transport.registry import make_sender
-from services.common.shared_kv import SharedKv
+from services.kv_transport.base import KvSender, LayerPlan, TransferError
+from services.kv_transport.registry import make_sender
+from services.worker.handoff import PrefillResult
+from services.worker.shared_kv import SharedKv
 
 
 class TransportHandoff(Handoff):

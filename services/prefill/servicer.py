@@ -6,9 +6,9 @@ from __future__ import annotations
 from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.convert import params_from_proto
 from services.common.grpc_streams import answer_at_once
-from services.common.handoff import result_to_chunk
 from services.prefill.prefill_core import PrefillCore
 from services.prefill.tracing import handoff_span
+from services.worker.handoff import result_to_chunk
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):

@@ -7,9 +7,9 @@ import contextlib
 
 from opentelemetry import trace
 
-from services.common.handoff import PrefillResult
 from services.common.spans import request_attributes
 from services.common.telemetry import context_from_grpc, tracer
+from services.worker.handoff import PrefillResult
 
 _tracer = tracer("yinian.prefill")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.experts.eplb import imbalance, rebalance_experts
-from services.common.experts.placement import Member, Placement
+from services.expert_parallel.eplb import imbalance, rebalance_experts
+from services.expert_parallel.placement import Member, Placement
 
 logger = logging.getLogger(__name__)
 

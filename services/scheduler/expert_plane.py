@@ -10,7 +10,7 @@ import logging
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.bus import EventBus, expert_load_subject
 from services.common.channels import WorkerChannels
-from services.common.experts import metrics
+from services.expert_parallel import metrics
 from services.scheduler.expert_balancer import ExpertBalancer
 from services.scheduler.expert_rollout import ExpertRollout
 from services.scheduler.expert_servicer import ExpertBalancerServicer

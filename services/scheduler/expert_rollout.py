@@ -25,8 +25,8 @@ import grpc
 
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.channels import WorkerChannels
-from services.common.experts import metrics
-from services.common.experts.placement import Placement, expert_set
+from services.expert_parallel import metrics
+from services.expert_parallel.placement import Placement, expert_set
 from services.scheduler.expert_balancer import ExpertBalancer
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import asyncio
 
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common import mesh_token
-from services.common.experts.placement import Placement
+from services.expert_parallel.placement import Placement
 from services.scheduler.expert_balancer import ExpertBalancer
 from services.scheduler.expert_rollout import ExpertRollout
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.kv_transport.base import KvReceiver, TransferError, TransferStats
+from services.kv_transport.base import KvReceiver, TransferError, TransferStats
 
 
 def layout(cache_layer: torch.Tensor) -> str:

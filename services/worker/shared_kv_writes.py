@@ -14,9 +14,9 @@ import logging
 from basis.block_hash import PUBLIC_NAMESPACE, cached_prompt_blocks
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
-from services.common.shared_kv_link import SharedKvLink
+from services.worker.shared_kv_link import SharedKvLink
 
-logger = logging.getLogger("services.common.shared_kv")
+logger = logging.getLogger("services.worker.shared_kv")
 _EXPORT_TRIES = 20  # a freed block reaches the host tier a step or two after its request
 _EXPORT_WAIT = 0.025  # seconds between tries
 

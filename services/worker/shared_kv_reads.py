@@ -18,11 +18,11 @@ from basis.block_hash import cached_prompt_blocks
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
 from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
-from services.common.lent_blocks import LentBlocks
-from services.common.shared_kv_link import SharedKvLink
 from services.common.telemetry import tracer
+from services.worker.lent_blocks import LentBlocks
+from services.worker.shared_kv_link import SharedKvLink
 
-logger = logging.getLogger("services.common.shared_kv")
+logger = logging.getLogger("services.worker.shared_kv")
 _tracer = tracer("yinian.kv")
 # a GiB of blocks is ~60 ms of XXH3 on one core: checked over several
 VERIFY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-verify")

@@ -49,8 +49,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.common.kv_transport.blocks import BlockReceiver
-from services.common.kv_transport.nccl_group import (
+from services.kv_transport.blocks import BlockReceiver
+from services.kv_transport.nccl_group import (
     FOREVER,
     abort_group,
     complete,
@@ -59,7 +59,7 @@ from services.common.kv_transport.nccl_group import (
     start_thread,
     store_client,
 )
-from services.common.kv_transport.nccl_sender import NcclSender
+from services.kv_transport.nccl_sender import NcclSender
 
 __all__ = ["NcclReceiver", "NcclSender"]
 

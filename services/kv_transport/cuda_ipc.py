@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.block_copy import CopyPlan, copy_blocks, make_copy_plan
-from services.common.kv_transport.base import (
+from services.kv_transport.base import (
     KvReceiver,
     KvSender,
     LayerPlan,
     TransferError,
     TransferStats,
 )
-from services.common.kv_transport.blocks import await_future, find_transfer, settle
+from services.kv_transport.blocks import await_future, find_transfer, settle
 
 try:  # present in every torch 2.x build, CPU ones included; guarded all the same
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor

@@ -29,11 +29,11 @@ import torch
 from engine.expert_backend import ExpertBackend, expert_rows
 from kernels import ops
 from kernels.reference import moe_sum
-from services.common.experts import metrics
-from services.common.experts.group import ExpertGroup
-from services.common.experts.placement import Placement
-from services.common.experts.step_record import StepRecord
-from services.common.experts.wire import Transfer, pack
+from services.expert_parallel import metrics
+from services.expert_parallel.group import ExpertGroup
+from services.expert_parallel.placement import Placement
+from services.expert_parallel.step_record import StepRecord
+from services.expert_parallel.wire import Transfer, pack
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from basis.model_config import ModelConfig
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.channels import OPTIONS, WorkerChannels
-from services.common.experts.group import ExpertGroup, Rendezvous, model_tag
-from services.common.experts.placement import Placement
-from services.common.experts.remote import RemoteExperts
 from services.common.telemetry import tracer
 from services.common.tls import aio_channel
+from services.expert_parallel.group import ExpertGroup, Rendezvous, model_tag
+from services.expert_parallel.placement import Placement
+from services.expert_parallel.remote import RemoteExperts
 
 logger = logging.getLogger(__name__)
 FALLBACKS = ("replicas", "local")

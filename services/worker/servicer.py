@@ -4,7 +4,7 @@ loaded it is."""
 from __future__ import annotations
 
 from proto.yinian.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
-from services.common.worker_reports import WorkerReports
+from services.worker.reports import WorkerReports
 
 
 def load_report(load: dict) -> common_pb2.LoadReport:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from engine import AsyncLLM
 from services.common.kv_index import KvIndex
-from services.common.shared_kv_link import SharedKvLink, SharedKvStats
-from services.common.shared_kv_reads import SharedKvReads
-from services.common.shared_kv_writes import SharedKvWrites
-from services.common.worker_config import WRITE_THROUGH
+from services.worker.settings import WRITE_THROUGH
+from services.worker.shared_kv_link import SharedKvLink, SharedKvStats
+from services.worker.shared_kv_reads import SharedKvReads
+from services.worker.shared_kv_writes import SharedKvWrites
 
 
 class SharedKv:

@@ -17,7 +17,7 @@ import asyncio
 
 import torch
 
-from services.common.kv_transport.base import KvReceiver, KvSender
+from services.kv_transport.base import KvReceiver, KvSender
 
 TRANSPORTS = ("cuda_ipc", "nccl", "tcp")
 
@@ -41,15 +41,15 @@ def choose_transport(local: dict, remote: dict) -> str:
 
 def make_receiver(name: str, kv_caches: list[torch.Tensor], host: str) -> KvReceiver:
     if name == "tcp":
-        from services.common.kv_transport.tcp import TcpReceiver
+        from services.kv_transport.tcp import TcpReceiver
 
         return TcpReceiver(kv_caches, host)
     if name == "nccl":
-        from services.common.kv_transport.nccl import NcclReceiver
+        from services.kv_transport.nccl import NcclReceiver
 
         return NcclReceiver(kv_caches, host)
     if name == "cuda_ipc":
-        from services.common.kv_transport.cuda_ipc import CudaIpcReceiver
+        from services.kv_transport.cuda_ipc import CudaIpcReceiver
 
         return CudaIpcReceiver(kv_caches)
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORTS)}")
@@ -57,15 +57,15 @@ def make_receiver(name: str, kv_caches: list[torch.Tensor], host: str) -> KvRece
 
 def make_sender(name: str, device, loop: asyncio.AbstractEventLoop) -> KvSender:
     if name == "tcp":
-        from services.common.kv_transport.tcp import TcpSender
+        from services.kv_transport.tcp import TcpSender
 
         return TcpSender(loop)
     if name == "nccl":
-        from services.common.kv_transport.nccl import NcclSender
+        from services.kv_transport.nccl import NcclSender
 
         return NcclSender(device)
     if name == "cuda_ipc":
-        from services.common.kv_transport.cuda_ipc import CudaIpcSender
+        from services.kv_transport.cuda_ipc import CudaIpcSender
 
         return CudaIpcSender(device)
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORTS)}")

@@ -21,9 +21,9 @@ import time
 from engine.store_memory import StoreMemory
 from services.common import metrics
 from services.common.kv_checksum import block_checksum
-from services.common.shared_kv_link import SharedKvLink
+from services.worker.shared_kv_link import SharedKvLink
 
-logger = logging.getLogger("services.common.shared_kv")
+logger = logging.getLogger("services.worker.shared_kv")
 _LEND_MARGIN = 1.0  # seconds: a lent block copied later than its lend minus this is not used
 
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from services.common.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
-from services.common.kv_transport.blocks import (
+from services.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
+from services.kv_transport.blocks import (
     abort_transfer,
     await_future,
     find_transfer,
     layout,
     settle,
 )
-from services.common.kv_transport.nccl_group import (
+from services.kv_transport.nccl_group import (
     FOREVER,
     MESSAGE_BYTES,
     abort_group,

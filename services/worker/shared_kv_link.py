@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from engine import AsyncLLM
 from services.common import metrics
 
-logger = logging.getLogger("services.common.shared_kv")
+logger = logging.getLogger("services.worker.shared_kv")
 _REMEMBERED = 1 << 16  # hashes known to be in the store, not written again
 
 

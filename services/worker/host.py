@@ -31,14 +31,14 @@ from services.common.bus import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.kv_index import SHARED, SHARED_HOLDER, KvIndex
-from services.common.kvstore_client import KvStoreClient, fingerprint
-from services.common.rank_metrics import report_ranks
-from services.common.registration import Registration
-from services.common.shared_kv import SharedKv
 from services.common.telemetry import setup_tracing, shutdown_tracing
-from services.common.worker_config import WorkerSettings
-from services.common.worker_reports import WorkerReports
-from services.common.worker_servicer import WorkerServicer, load_report
+from services.worker.kvstore_client import KvStoreClient, fingerprint
+from services.worker.rank_metrics import report_ranks
+from services.worker.registration import Registration
+from services.worker.reports import WorkerReports
+from services.worker.servicer import WorkerServicer, load_report
+from services.worker.settings import WorkerSettings
+from services.worker.shared_kv import SharedKv
 
 logger = logging.getLogger(__name__)
 _SHARED_RESYNC = common_pb2.KvResync(worker_id=SHARED_HOLDER, reason="worker follows the tier")
@@ -120,7 +120,7 @@ class WorkerHost:
         )
         self.experts = None
         if config.expert_parallel:  # MoE experts on expert services
-            from services.common.experts.control import ExpertControl
+            from services.expert_parallel.control import ExpertControl
 
             self.experts = ExpertControl(
                 self.engine, config.model, config.worker_id, config.scheduler,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
-from services.common.kv_transport.blocks import (
+from services.kv_transport.base import KvSender, LayerPlan, TransferError, TransferStats
+from services.kv_transport.blocks import (
     BlockReceiver,
     Incoming,
     abort_transfer,

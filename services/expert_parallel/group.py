@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.common.experts.placement import Member
-from services.common.experts.wire import WorkerPort
-from services.common.kv_transport.nccl_group import abort_group, make_group
+from services.expert_parallel.placement import Member
+from services.expert_parallel.wire import WorkerPort
+from services.kv_transport.nccl_group import abort_group, make_group
 
 logger = logging.getLogger(__name__)
 

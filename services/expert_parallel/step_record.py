@@ -11,8 +11,8 @@ import time
 
 from opentelemetry import trace
 
-from services.common.experts import metrics
 from services.common.spans import epoch_ns
+from services.expert_parallel import metrics
 
 
 class StepRecord:
