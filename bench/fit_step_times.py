@@ -30,16 +30,10 @@ PRESET = "llama3-8b"
 SERVING_PROMPT = 1024  # serving.py's prompts: 1024 tokens, generating 128
 
 
-def service_ms(results: Path = RESULTS) -> float:
+def _service_ms(decode: dict, kvstore: dict) -> float:
     """The services' own part of a request's TTFT on the H200's host (gateway,
     scheduler, worker, and back): a short prompt's TTFT through the mesh
     (kvstore_9a48538.json) less a one-row step (decode_profile.json)."""
-    decode = json.loads((results / "decode_profile.json").read_text())
-    kvstore = json.loads((results / "kvstore_9a48538.json").read_text())
-    return _service_ms(decode, kvstore)
-
-
-def _service_ms(decode: dict, kvstore: dict) -> float:
     return kvstore["ttft_by_tier"]["short_prompt_ms"] - _run(decode, 1)["wall_ms_per_step"]
 
 
@@ -95,7 +89,7 @@ def fit(results: Path = RESULTS) -> tuple[DeviceProfile, dict]:
     profile = DeviceProfile(
         name="h200", copy_gbps=decode["copy_gbps"], matmul_tflops=tflops,
         weight_efficiency=weight_eff, kv_efficiency=kv_eff, matmul_efficiency=1.0,
-        prompt_step_ms=0.0,
+        prompt_step_ms=0.0, service_ms=mesh_ms,
         attention_efficiency=attention_eff, fixed_ms=fixed_ms, per_row_us=per_row_us,
         source="bench/fit_step_times.py: decode_profile.json, kernels_bench.json, "
         "kvstore_9a48538.json, serving.json",

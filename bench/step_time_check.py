@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.fit_step_times import service_ms
 from bench.gpu.kv_serving_compare import kind_of
 from bench.loadgen.cli import run as bench_run
 from bench.loadgen.serve import written_runs
 from engine.make_model import preset_config, write_model
+from engine.step_time_model import DeviceProfile
 from yinian.mesh import Mesh, MeshSpec
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = time.monotonic() - start
         finally:
             mesh.stop()
-    service = service_ms()
+    service = DeviceProfile.load("h200").service_ms  # the profile's fit of it
     result = {"script": "step_time_check", "scale": scale, "rates": rates, "rc": rc,
               "gpu_service_ms": service,
               "prompts_per_rate": args.prompts_per_rate, "sweep_seconds": seconds,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from basis.flags import setting
+from basis.flags import not_a_flag, setting
 from engine.step_time_model import profile_names
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -121,6 +121,10 @@ class EngineConfig:
     mock_time_scale: float = setting(
         1.0, "mock runner: every step takes this many times its modelled time (slows a simulation)"
     )
+    # Output text for every request (the engine API's users read it); False: only for
+    # requests with stop strings, which the engine must find (a mesh's workers: the
+    # gateway detokenizes what they stream).
+    detokenize: bool = not_a_flag(lambda: True)
     # Benchmarks only: skews routing so expert balancing has something to balance.
     router_skew: float = setting(
         0.0,

@@ -192,7 +192,8 @@ class LLMEngine:
             namespace=namespace,
             generator=generator,
         )
-        seq.text_stream = TextStream(self.tokenizer, params)
+        wants_text = self.config.detokenize or bool(params.stop)
+        seq.text_stream = TextStream(self.tokenizer if wants_text else None, params)
         if params.structured_output is not None:
             seq.grammar = self.grammars.start(params.structured_output)
         return seq

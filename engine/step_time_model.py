@@ -40,6 +40,9 @@ class DeviceProfile:
     fixed_ms: float  # every step: launches, norms of one row, sampling, the host's share
     per_row_us: float  # every row (a sequence in the step) beyond what the roofline counts
     prompt_step_ms: float  # a step with a prompt chunk in it, beyond the rest
+    # the mesh's own part of a first token on that GPU's host (gateway, scheduler, the
+    # worker's service, and back), for a simulator that leaves the services out
+    service_ms: float = 0.0
     source: str = ""  # what it was fitted to
 
     @classmethod
@@ -100,22 +103,40 @@ class StepTimeModel:
     def seconds(self, rows: list[tuple[int, int]], sampled: int | None = None) -> float:
         """A step's modelled time: `rows` as (new tokens, tokens cached before them);
         `sampled`: rows that sample (default: every row)."""
+        decode_rows = decode_context = 0
+        chunks = []
+        for n, before in rows:
+            if n == 1:
+                decode_rows += 1
+                decode_context += before + 1
+            elif n:
+                chunks.append((n, before))
+        return self.step_seconds(decode_rows, decode_context, chunks, sampled)
+
+    def step_seconds(
+        self,
+        decode_rows: int,
+        decode_context: int,
+        chunks: list[tuple[int, int]],
+        sampled: int | None = None,
+    ) -> float:
+        """The same from totals (a simulator keeps them as its rows change):
+        `decode_rows` rows of one new token whose KV caches, the new token's
+        included, hold `decode_context` tokens in all; `chunks`, prompt chunks as
+        (new tokens, tokens cached before them)."""
         c, p = self.costs, self.profile
-        new = sum(n for n, _ in rows)
+        new = decode_rows + sum(n for n, _ in chunks)
         if not new:
             return 0.0
-        sampled = len(rows) if sampled is None else sampled
+        rows = decode_rows + len(chunks)
+        sampled = rows if sampled is None else sampled
         read = c.weight_bytes / (self._copy * p.weight_efficiency)
         flops = new * c.flops_per_token + sampled * c.head_flops
         compute = flops / (self._flops * p.matmul_efficiency)
-        kv = attention = 0.0
-        for n, before in rows:
-            if n == 1:
-                kv += (before + 1) * c.kv_bytes_per_token
-            else:  # a prompt chunk: each token attends to what is before it, causally
-                attention += n * (before + (n + 1) / 2) * c.attention_flops
-        kv_s = kv / (self._copy * p.kv_efficiency)
+        # a prompt chunk: each token attends to what is before it, causally
+        attention = sum(n * (before + (n + 1) / 2) for n, before in chunks) * c.attention_flops
+        kv_s = decode_context * c.kv_bytes_per_token / (self._copy * p.kv_efficiency)
         attention_s = attention / (self._flops * p.attention_efficiency)
-        fixed = p.fixed_ms / 1e3 + len(rows) * p.per_row_us / 1e6
+        fixed = p.fixed_ms / 1e3 + rows * p.per_row_us / 1e6
         fixed += p.prompt_step_ms / 1e3 if attention else 0.0  # a prompt chunk is in it
         return fixed + max(read, compute) + kv_s + attention_s

@@ -122,6 +122,25 @@ def test_stop_strings_cut_the_text(llm):
     assert kept.text == text[: cut + len(stop)]
 
 
+def test_an_engine_without_text_still_stops_on_stop_strings(llm, model_dir):
+    # a mesh's workers run the engine with detokenize=False: the gateway makes the
+    # text, but a stop string must still end the sequence where the engine is
+    prompt = random_prompts(512, (20,), seed=34)[0]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    free = llm.generate([prompt], params)[0].outputs[0]
+    stop = free.text[5:8]
+    quiet = LLM(model_dir("tiny-qwen3"), dtype="float32", device="cpu", detokenize=False)
+    plain = quiet.generate([prompt], params)[0].outputs[0]
+    assert plain.token_ids == free.token_ids and plain.text == ""
+    stopped = quiet.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                      stop=[stop], ignore_eos=True))  # fmt: skip
+    expected = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                     stop=[stop], ignore_eos=True))  # fmt: skip
+    assert stopped[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert len(stopped[0].outputs[0].token_ids) < 16
+    assert stopped[0].outputs[0].stop_reason == stop
+
+
 def test_max_tokens_and_length_finish(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[
         0

@@ -76,6 +76,7 @@ class WorkerHost:
         if config.kvstore and config.kv_write_through in ("prefix", "all"):
             # these policies write blocks nobody reused: the host tier must hold them all
             options.setdefault("host_kv_backup", "all")
+        options["detokenize"] = False  # the gateway detokenizes; stop strings still end here
         self.engine = AsyncLLM.from_model(config.model, **options)
         self.server = GrpcServer(config.host, config.port, config.tls_files())
         self.address = f"{config.address_host}:{self.server.port}"

@@ -1,0 +1,181 @@
+"""The simulation: a trace's requests arrive, the scheduler's own placement
+(`services/scheduler/placement.py`, its registry and KV index, in this process
+and on the simulation's clock) picks a worker for each, and simulated workers
+run them; load reports and KV events reach the scheduler as a worker's would
+(a load report at most every `load_interval`, KV events every `kv_interval`,
+and both when a worker falls idle).
+
+Time is the simulation's, not the machine's: a thousand workers and a hundred
+thousand requests take what the Python takes, minutes on a small machine. Each
+placement's own wall time is measured (the real code, at the real number of
+workers). A request reaches its worker `service_ms` after it arrives (the
+mesh's services on the GPU's host, from the device profile) and its first token
+is counted from its arrival; what the services do is not simulated beyond that.
+
+The scheduler is one process: a placement begins when the one before it has
+ended and takes its measured wall time, so the scheduler's own speed limits
+how many requests a second a mesh can take (as it would).
+
+Placement `kv`: the scheduler's (prefix-aware, load-weighed). `round-robin`:
+the next worker in turn that is not at capacity, for comparison."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from services.common.errors import Saturated
+from services.common.kv_index import GPU, KvIndex
+from services.scheduler.placement import PlacementPolicy, place
+from services.scheduler.registry import Registry, WorkerState
+from yinian.sim.worker import SimRequest, SimWorker
+
+PLACEMENTS = ("kv", "round-robin")
+_ARRIVE, _DELIVER, _STEP, _MARK = 0, 1, 2, 3
+
+
+@dataclass
+class SimConfig:
+    workers: int
+    placement: str = "kv"
+    capacity_blocks: int = 1455  # llama3-8b on an H200: ~91 GiB of KV, 512-token blocks
+    block_tokens: int = 512
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    service_ms: float = 0.0
+    load_interval: float = 0.5
+    kv_interval: float = 0.02
+    policy: PlacementPolicy = field(default_factory=PlacementPolicy)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"the simulation needs at least one worker, got {self.workers}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    refused: int  # saturated: every worker at capacity (the gateway's 429)
+    too_long: int  # a prompt and output no worker's pool can hold
+    placement_seconds: list[float]  # wall time of each placement
+    workers: list[SimWorker]
+    end: float  # when the last request finished (simulated seconds)
+    last_arrival: float
+    tokens_by_last_arrival: int  # output tokens made while requests still came
+    scheduler_busy: float  # the share of the arrivals' span the scheduler spent placing
+    wall_seconds: float
+
+
+class Cluster:
+    def __init__(self, config: SimConfig, model):
+        self.config = config
+        self.now = 0.0
+        self.registry = Registry(heartbeat_timeout=float("inf"), clock=lambda: self.now)
+        self.index = KvIndex()
+        self.workers: dict[str, SimWorker] = {}
+        self.events: list = []
+        self._seq = itertools.count()
+        self._turn = 0
+        self._reported: dict[str, float] = {}
+        self._published: dict[str, float] = {}
+        self._event_ids: dict[str, int] = {}
+        for i in range(config.workers):
+            wid = f"worker-{i}"
+            self.workers[wid] = SimWorker(wid, model, config.capacity_blocks,
+                                          config.block_tokens, config.max_num_seqs,
+                                          config.max_num_batched_tokens)  # fmt: skip
+            self.registry.register(WorkerState(wid, f"sim:{i}", "colocated",
+                                               block_size=config.block_tokens,
+                                               max_num_seqs=config.max_num_seqs,
+                                               kv_blocks_total=config.capacity_blocks))  # fmt: skip
+            self.index.apply(wid, 0, {GPU: ([], [])}, reset=True)
+            self._event_ids[wid] = 0
+        self._order = list(self.registry.workers.values())
+
+    def _push(self, at: float, kind: int, payload) -> None:
+        heapq.heappush(self.events, (at, next(self._seq), kind, payload))
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        began = time.perf_counter()
+        size, capacity = self.config.block_tokens, self.config.capacity_blocks
+        too_long = 0
+        for r in requests:
+            if -(-(r.input_len + r.output_len) // size) > capacity:
+                too_long += 1
+                continue
+            self._push(r.arrival, _ARRIVE, r)
+        last = max((r.arrival for r in requests), default=0.0)
+        self._push(last, _MARK, None)
+        refused, timings, finished, marked = 0, [], [], 0
+        service = self.config.service_ms / 1e3
+        free_at = 0.0  # when the scheduler is done with the placements so far
+        while self.events:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == _ARRIVE:
+                started = time.perf_counter()
+                worker = self._place(payload)
+                took = time.perf_counter() - started
+                timings.append(took)
+                free_at = max(free_at, self.now) + took
+                if worker is None:
+                    refused += 1
+                else:
+                    self._push(free_at + service, _DELIVER, (worker, payload))
+            elif kind == _DELIVER:
+                worker, request = payload
+                worker.add(request)
+                if not worker.busy:
+                    self._step(worker)
+            elif kind == _STEP:
+                finished += payload.end_step(self.now)
+                self._step(payload)
+            else:
+                marked = sum(w.output_tokens for w in self.workers.values())
+        busy = sum(timings) / last if last > 0 else 0.0
+        return SimResult(finished, refused, too_long, timings, list(self.workers.values()),
+                         self.now, last, marked, busy, time.perf_counter() - began)  # fmt: skip
+
+    def _place(self, request: SimRequest) -> SimWorker | None:
+        if self.config.placement == "round-robin":
+            return self._round_robin()
+        try:
+            decision = place(self.registry, self.index, self.config.policy, request.hashes,
+                             request.input_len)  # fmt: skip
+        except Saturated:
+            return None
+        return self.workers[decision.worker.worker_id]
+
+    def _round_robin(self) -> SimWorker | None:
+        n = len(self._order)
+        for k in range(n):
+            state = self._order[(self._turn + k) % n]
+            if state.load < self.config.policy.capacity(state):
+                self._turn = (self._turn + k + 1) % n
+                self.registry.placed(state)
+                return self.workers[state.worker_id]
+        return None
+
+    def _step(self, worker: SimWorker) -> None:
+        seconds = worker.start_step() if worker.has_work() else 0.0
+        if seconds > 0:
+            self._push(self.now + seconds, _STEP, worker)
+        idle = seconds == 0
+        wid = worker.worker_id
+        if idle or self.now - self._published.get(wid, -1.0) >= self.config.kv_interval:
+            self._publish(worker)
+        if idle or self.now - self._reported.get(wid, -1.0) >= self.config.load_interval:
+            self._reported[wid] = self.now
+            waiting = len(worker.waiting)
+            self.registry.on_load(wid, worker.running, waiting, worker.pool.used())
+
+    def _publish(self, worker: SimWorker) -> None:
+        wid = worker.worker_id
+        self._published[wid] = self.now
+        stored, removed = worker.pool.take_events()
+        if stored or removed:
+            self._event_ids[wid] += 1
+            self.index.apply(wid, self._event_ids[wid], {GPU: (stored, removed)})
