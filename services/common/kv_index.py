@@ -20,6 +20,7 @@ from operator import or_
 
 GPU, HOST, SHARED = "gpu", "host", "shared"
 TIERS = (GPU, HOST, SHARED)
+Counts = tuple[int, int, int]  # a prefix's blocks in the GPU, host and shared tiers
 SHARED_HOLDER = "shared"  # the holder id of the shared tier
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")
 
@@ -34,6 +35,7 @@ class KvIndex:
         self._bit: dict[str, int] = {}  # holder -> its bit (freed when it is forgotten)
         self._names: list[str | None] = []  # bit -> holder
         self._free: list[int] = []  # bits of holders forgotten, given out again
+        self.bit_epoch = 0  # counts bits freed: a mask of holders kept elsewhere is stale
         self._last_event: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         self.gaps = 0
@@ -85,6 +87,15 @@ class KvIndex:
         if bit is not None:  # no mask holds it now: another holder may have it
             self._names[bit.bit_length() - 1] = None
             self._free.append(bit)
+            self.bit_epoch += 1
+
+    def bit_of(self, holder: str) -> int:
+        """The holder's bit in this index's masks (given one if it has none); it
+        stays the holder's until `bit_epoch` changes."""
+        return self._bit_of(holder)
+
+    def holder_names(self, mask: int) -> set[str]:
+        return self._holders_of(mask)
 
     def _bit_of(self, holder: str) -> int:
         bit = self._bit.get(holder)
@@ -151,7 +162,7 @@ class KvIndex:
                 break
         return out
 
-    def prefix_groups(self, block_hashes, holders) -> list[tuple[tuple[int, int, int], set[str]]]:
+    def prefix_groups(self, block_hashes, holders) -> list[tuple[Counts, set[str]]]:
         """`holders` grouped by what `prefix_by_tier` gives each for this prompt, as
         ((GPU, host, shared) block counts, holders): one walk over the prompt's
         blocks for all of them, on bit masks (a bit per holder), so a prefix that a
@@ -160,6 +171,12 @@ class KvIndex:
             active = reduce(or_, map(self._bit.__getitem__, holders), 0)
         except KeyError:  # a holder the index never heard of: give it its bit
             active = reduce(or_, map(self._bit_of, holders), 0)
+        return [(counts, self._holders_of(mask))
+                for counts, mask in self.prefix_group_masks(block_hashes, active)]  # fmt: skip
+
+    def prefix_group_masks(self, block_hashes, active: int) -> list[tuple[Counts, int]]:
+        """`prefix_groups` for the holders whose bits are in `active` (a mask kept by
+        the caller), each group as a mask."""
         masks, shared_bit = self._masks, self._bit.get(SHARED_HOLDER, 0)
         extra: dict[int, list[int]] = {}  # bit -> [host, shared] of its own
         bulk: list[int] = []  # depths where every active holder read the shared tier
@@ -205,7 +222,7 @@ class KvIndex:
                 own ^= low
                 host, own_shared = extra[low]
                 groups[(end - shared - host - own_shared, host, shared + own_shared)] |= low
-        return [(counts, self._holders_of(mask)) for counts, mask in groups.items()]
+        return list(groups.items())
 
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
         masks = self._masks

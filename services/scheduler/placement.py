@@ -14,7 +14,10 @@ cheaper to prefill in place than to hand over.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 
 from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import KvIndex
@@ -65,6 +68,7 @@ def _best(
     block_hashes,
     prompt_tokens: int,
     size: int | None,
+    view: OpenWorkers | None = None,
 ) -> tuple[WorkerState, int]:
     """The worker of least cost, in prompt tokens: the prompt's work there (the tokens
     it must compute, plus what loading the blocks in its host tier or the shared tier
@@ -74,19 +78,33 @@ def _best(
     `loads`: worker id -> (load, requests, order, worker) (`_loads`); `size`: their
     block size when they all have one. Workers whose prefixes count alike are found
     in one walk over the prompt (`KvIndex.prefix_groups`), not one walk each. Also
-    returns the longest prefix (blocks) any of them holds."""
+    returns the longest prefix (blocks) any of them holds. With `view` (the
+    registry's OpenWorkers whose loads these are), its mask of their index bits
+    and its least-loaded order spare a walk over every worker for each request."""
     host_w, shared_w = policy.host_hit_weight, policy.shared_hit_weight
     best_key, longest = None, 0
-    for (gpu, host, shared), ids in index.prefix_groups(block_hashes, loads.keys()):
+    if view is not None:
+        groups = index.prefix_group_masks(block_hashes, view.mask_in(index))
+    else:
+        groups = index.prefix_groups(block_hashes, loads.keys())
+    for (gpu, host, shared), ids in groups:
         cached_blocks, loaded_blocks = gpu + host + shared, host * host_w + shared * shared_w
         longest = max(longest, cached_blocks)
         if size is not None:  # one block size: the group's work is the same for each
             work = max(prompt_tokens - cached_blocks * size, 0) + size * loaded_blocks
-            cost, n, order, w = min(map(loads.__getitem__, ids))
+            if view is None:
+                cost, n, order, w = min(map(loads.__getitem__, ids))
+            else:
+                found = view.least_loaded(ids) if ids.bit_count() > _FEW else None
+                if found is None:  # a small group, or one whose members are not the least
+                    found = min(map(loads.__getitem__, index.holder_names(ids)))
+                cost, n, order, w = found
             key = (work + cost, n, order, w)
             if best_key is None or key < best_key:
                 best_key = key
             continue
+        if view is not None:
+            ids = index.holder_names(ids)
         for worker_id in ids:
             cost, n, order, w = loads[worker_id]
             block = w.block_size
@@ -95,6 +113,9 @@ def _best(
             if best_key is None or key < best_key:
                 best_key = key
     return best_key[3], longest
+
+
+_FEW = 16  # a group this small is read member by member; a larger one in load order first
 
 
 def _loads(workers: list[WorkerState], policy: PlacementPolicy) -> dict:
@@ -147,6 +168,12 @@ class OpenWorkers:
         self.registry, self.roles = registry, roles
         self.loads: dict[str, tuple] = {}
         self.sizes: dict[int, int] = {}  # block size -> how many of `loads` have it
+        # their bits in a KV index (`mask_in`), and their loads as a heap (`least_loaded`;
+        # an entry is stale once its worker's load is another)
+        self.index: KvIndex | None = None
+        self.bits: dict[str, int] = {}
+        self.mask, self.epoch = 0, -1
+        self.heap: list[tuple] = []
         self.reweigh(policy)
         registry.readers.append(self)
 
@@ -155,8 +182,40 @@ class OpenWorkers:
         self.weights = _weights(policy)
         self.loads.clear()
         self.sizes.clear()
+        self.bits.clear()
+        self.mask, self.heap = 0, []
         for w in self.registry.workers.values():
             self._put(w)
+
+    def mask_in(self, index: KvIndex) -> int:
+        """The OR of the open workers' bits in `index` (kept as they change; read
+        again when the index has freed a bit since, which another may now have)."""
+        if index is not self.index or index.bit_epoch != self.epoch:
+            self.index, self.epoch = index, index.bit_epoch
+            self.bits = {wid: index.bit_of(wid) for wid in self.loads}
+            self.mask = reduce(or_, self.bits.values(), 0)
+        return self.mask
+
+    def least_loaded(self, mask: int, limit: int = 32) -> tuple | None:
+        """The least of the loads (as `_loads` gives them) of the open workers whose
+        bits are in `mask` (bits of `mask_in`'s index), found in load order; None
+        when more than `limit` less loaded workers are not in it (the group is best
+        read member by member)."""
+        heap, loads, bits = self.heap, self.loads, self.bits
+        passed, found = [], None
+        while heap and len(passed) <= limit:
+            cost, n, order, worker_id = heap[0]
+            load = loads.get(worker_id)
+            if load is None or load[2] != order or load[0] != cost or load[1] != n:
+                heapq.heappop(heap)  # stale
+            elif bits[worker_id] & mask:
+                found = load
+                break
+            else:
+                passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return found
 
     def changed(self, worker_id: str) -> None:
         self.drop(worker_id)
@@ -167,8 +226,15 @@ class OpenWorkers:
     def _put(self, w: WorkerState) -> None:
         per_request, per_memory, max_waiting = self.weights
         if w.role in self.roles and w.load < _capacity(w, max_waiting):
-            self.loads[w.worker_id] = _load(w, per_request, per_memory)
+            load = self.loads[w.worker_id] = _load(w, per_request, per_memory)
             self.sizes[w.block_size] = self.sizes.get(w.block_size, 0) + 1
+            if self.index is not None:
+                bit = self.bits[w.worker_id] = self.index.bit_of(w.worker_id)
+                self.mask |= bit
+            heapq.heappush(self.heap, (*load[:3], w.worker_id))
+            if len(self.heap) > 4 * len(self.loads) + 64:  # mostly stale: start it again
+                self.heap = [(*v[:3], k) for k, v in self.loads.items()]
+                heapq.heapify(self.heap)
 
     def drop(self, worker_id: str) -> None:
         """Leaves out a worker until its state changes again."""
@@ -178,6 +244,8 @@ class OpenWorkers:
             self.sizes[size] -= 1
             if not self.sizes[size]:
                 del self.sizes[size]
+            bit = self.bits.pop(worker_id, 0)
+            self.mask &= ~bit
 
 
 def _weights(policy: PlacementPolicy) -> tuple:
@@ -202,7 +270,7 @@ def _place_first(registry, index, policy, block_hashes, prompt_tokens, roles):
     while view.loads:
         size, largest = _block_size(view.sizes)
         tokens = max(prompt_tokens, len(block_hashes) * largest)
-        best, longest = _best(view.loads, index, policy, block_hashes, tokens, size)
+        best, longest = _best(view.loads, index, policy, block_hashes, tokens, size, view)
         if best.last_seen >= since:
             return best, longest, tokens
         view.drop(best.worker_id)
