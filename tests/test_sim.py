@@ -13,6 +13,7 @@ import pytest
 from basis.model_config import ModelConfig
 from engine.make_model import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel
+from services.scheduler.placement import PlacementPolicy
 from yinian.cli import main as yinian_main
 from yinian.sim.block_pool import BlockPool
 from yinian.sim.cluster import Cluster, SimConfig
@@ -138,3 +139,33 @@ def test_yinian_sim_refuses_what_it_cannot_run(tmp_path, capsys):
     ):
         assert yinian_main(["sim", *argv]) == 2
         assert what in capsys.readouterr().err
+
+
+def test_the_synthetic_trace_keeps_its_rate_to_the_end():
+    # conversations keep coming until the entries asked for have begun: the last
+    # stretch of the trace is as busy as the rest (it used to thin out, every
+    # conversation's later turns trailing behind the last first turn)
+    from bench.loadgen.traces import make_trace
+
+    stamps = [e["timestamp"] for e in make_trace(3000, rate=20.0, seed=3)]
+    assert len(stamps) == 3000 and stamps == sorted(stamps)
+    span = stamps[-1] - stamps[0]
+    tenths = [sum(1 for t in stamps if k * span / 10 <= t - stamps[0] < (k + 1) * span / 10)
+              for k in range(10)]  # fmt: skip
+    assert min(tenths[5:]) > 0.8 * max(tenths[5:]), tenths
+    assert tenths[9] >= tenths[0], tenths
+
+
+def test_the_sim_takes_the_schedulers_placement_weights(model):
+    # a cached system prompt draws a conversation to its worker while that worker is
+    # fewer than request_tokens-worth of requests busier: with a heavy weight, load wins
+    # the first prompt is cached (and its KV events in) before the others come
+    requests = [SimRequest(i, 1.0 * bool(i) + 0.001 * i, 1024, 400, (1, 2)) for i in range(6)]
+    light = Cluster(SimConfig(workers=3, kv_interval=0.0, load_interval=0.0), model).run(
+        [SimRequest(r.rid, r.arrival, r.input_len, r.output_len, r.hashes) for r in requests]
+    )
+    heavy_policy = PlacementPolicy(request_tokens=4096.0)
+    heavy = Cluster(SimConfig(workers=3, kv_interval=0.0, load_interval=0.0,
+                              policy=heavy_policy), model).run(requests)  # fmt: skip
+    assert len({r.worker for r in light.requests}) == 1
+    assert len({r.worker for r in heavy.requests}) == 3

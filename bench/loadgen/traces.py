@@ -16,6 +16,7 @@ dry runs:
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,13 +120,21 @@ def make_trace(requests: int, rate: float, seed: int = 0, systems: int = 4,
     """A synthetic Mooncake-format trace: conversations arrive as a Poisson process
     at `rate`, each on one of `systems` shared system prompts (`system_blocks`
     blocks), with up to `turns` turns whose prompts carry the history (earlier
-    turns' blocks again, then new ones); entries in time order."""
+    turns' blocks again, then new ones); the first `requests` entries in time
+    order. Conversations keep coming until that many entries have begun, so the
+    later turns of the last conversations are there beside their first turns and
+    the rate does not fall off at the end (nor rise at the start)."""
     rng = np.random.default_rng(seed)
     next_id = systems * system_blocks
     entries: list[dict] = []
+    later: list[float] = []  # entries' times not yet reached by `now` (a heap)
+    begun = 0  # entries at or before `now`
     now = 0.0
-    while len(entries) < requests:
+    while begun < requests:
         now += rng.exponential(1.0 / rate)
+        while later and later[0] <= now:
+            heapq.heappop(later)
+            begun += 1
         system = int(rng.integers(systems))
         history = list(range(system * system_blocks, (system + 1) * system_blocks))
         tokens = system_blocks * block_tokens
@@ -139,6 +148,7 @@ def make_trace(requests: int, rate: float, seed: int = 0, systems: int = 4,
             out = int(rng.integers(*output_tokens))
             entries.append({"timestamp": round(at * 1e3), "input_length": tokens,
                             "output_length": out, "hash_ids": history[:need]})  # fmt: skip
+            heapq.heappush(later, at)
             # the next turn's prompt holds this one's whole blocks and the answer; a
             # partly filled last block is new in it (its tokens differ once extended)
             tokens += out

@@ -18,6 +18,7 @@ from basis.model_config import ModelConfig
 from bench.loadgen.traces import BLOCK_TOKENS, TraceEntry, make_trace, read_trace
 from engine.make_model import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel, profile_names
+from services.scheduler.placement import PlacementPolicy
 from yinian.sim.cluster import PLACEMENTS, Cluster, SimConfig
 from yinian.sim.report import latencies, plot, summary
 from yinian.sim.worker import SimRequest
@@ -61,11 +62,15 @@ def run(args) -> dict:
         raise ValueError("give either --trace or --synthetic-per-worker")
     if args.rate_per_worker <= 0 or args.kv_gib <= 0 or args.time_scale <= 0:
         raise ValueError("--rate-per-worker, --kv-gib and --time-scale must be > 0")
+    if args.placement_request_tokens < 0 or args.placement_memory_tokens < 0:
+        raise ValueError("--placement-request-tokens and --placement-memory-tokens must be >= 0")
     costs = ModelCosts.of(ModelConfig.from_dict(preset_config(args.preset)))
     profile = DeviceProfile.load(args.device)
     model = StepTimeModel(costs, profile)
     trace = read_trace(args.trace, args.limit) if args.trace else None
     out = {"command": "yinian sim", "device": profile.name, "preset": args.preset,
+           "placement_request_tokens": args.placement_request_tokens,
+           "placement_memory_tokens": args.placement_memory_tokens,
            "python": platform.python_version(), "trace": str(args.trace) if args.trace else
            f"synthetic: {args.synthetic_per_worker} requests and {args.rate_per_worker} "
            f"conversations/s per worker, seed {args.seed}",
@@ -81,6 +86,8 @@ def run(args) -> dict:
                 block_tokens=BLOCK_TOKENS, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 service_ms=profile.service_ms,
+                policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
+                                       memory_tokens=args.placement_memory_tokens),
             )  # fmt: skip
             requests = requests_of(entries)
             for r in requests:
@@ -126,6 +133,13 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--workers", default="16", help="worker counts, comma-separated")
     p.add_argument("--placement", default="kv", help="placements to compare, "
                    f"comma-separated: {', '.join(PLACEMENTS)}")  # fmt: skip
+    defaults = PlacementPolicy()
+    p.add_argument("--placement-request-tokens", type=float, default=defaults.request_tokens,
+                   help="the scheduler's flag of that name: prompt tokens to compute that "
+                   "weigh as much as one more request on a worker")  # fmt: skip
+    p.add_argument("--placement-memory-tokens", type=float, default=defaults.memory_tokens,
+                   help="the scheduler's flag of that name: what a full device pool "
+                   "weighs, in prompt tokens")  # fmt: skip
     p.add_argument("--device", default="h200", choices=profile_names(),
                    help="the fitted device profile (engine/device_profiles)")  # fmt: skip
     p.add_argument("--preset", default="llama3-8b", help="the model whose steps are timed")

@@ -121,6 +121,7 @@ class Cluster:
                 took = time.perf_counter() - started
                 timings.append(took)
                 free_at = max(free_at, self.now) + took
+                payload.placed = free_at
                 if worker is None:
                     refused += 1
                 else:

@@ -25,6 +25,8 @@ def summary(result: SimResult) -> dict:
     tpot = np.array([(r.finished - r.first_token) / (r.output_len - 1) * 1e3
                      for r in done if r.output_len > 1])  # fmt: skip
     place_us = np.array(result.placement_seconds) * 1e6
+    # from arrival until placed: the placements before it, then its own
+    placed_ms = np.array([(r.placed - r.arrival) * 1e3 for r in done])
     prompt = sum(w.prompt_tokens for w in result.workers)
     cached = sum(w.cached_tokens for w in result.workers)
     output = sum(w.output_tokens for w in result.workers)
@@ -42,6 +44,7 @@ def summary(result: SimResult) -> dict:
         "tpot_ms": _spread(tpot),
         "kv_hit_rate": cached / prompt if prompt else 0.0,
         "placement_us": _spread(place_us) | {"max": _pct(place_us, 100)},
+        "until_placed_ms": _spread(placed_ms),
         "output_tokens": output,
         "output_tok_s": output / seconds,
         "output_tok_s_per_worker": output / seconds / len(result.workers),

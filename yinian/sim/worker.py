@@ -29,6 +29,7 @@ class SimRequest:
     matched: int = 0  # leading prompt blocks found cached at admission
     todo: int = 0  # prompt tokens still to compute
     computed: int = 0  # prompt tokens computed so far (cached ones included)
+    placed: float | None = None  # when the scheduler had placed it (its queue and its time)
     first_token: float | None = None
     finished: float | None = None
     join_step: int = 0  # the worker's step count when it began decoding
