@@ -58,8 +58,10 @@ def run(args) -> dict:
     bad = [p for p in placements if p not in PLACEMENTS]
     if bad or not placements:
         raise ValueError(f"--placement takes {', '.join(PLACEMENTS)}; got {args.placement!r}")
+    if args.planner_rate is not None:
+        return _plan(args)
     if (args.trace is None) == (args.synthetic_per_worker is None):
-        raise ValueError("give either --trace or --synthetic-per-worker")
+        raise ValueError("give either --trace or --synthetic-per-worker (or --planner-rate)")
     if args.rate_per_worker <= 0 or args.kv_gib <= 0 or args.time_scale <= 0:
         raise ValueError("--rate-per-worker, --kv-gib and --time-scale must be > 0")
     if args.placement_request_tokens < 0 or args.placement_memory_tokens < 0:
@@ -106,6 +108,28 @@ def run(args) -> dict:
     return out
 
 
+def _plan(args) -> dict:
+    from yinian.sim import plan_run
+
+    if args.trace is not None or args.synthetic_per_worker is not None:
+        raise ValueError("--planner-rate makes its own trace: no --trace or --synthetic-per-worker")
+    if min(args.planner_rate, args.plan_interval, args.ttft_slo_ms, args.itl_slo_ms) <= 0:
+        raise ValueError("--planner-rate, --plan-interval and the SLOs must be > 0")
+    if args.worker_start_s < 0 or not 0 < args.headroom <= 1 or args.max_workers < 1:
+        raise ValueError("--worker-start-s must be >= 0, --headroom in (0, 1], "
+                         "--max-workers >= 1")  # fmt: skip
+    costs = ModelCosts.of(ModelConfig.from_dict(preset_config(args.preset)))
+    profile = DeviceProfile.load(args.device)
+    config = SimConfig(
+        workers=1, capacity_blocks=capacity_blocks(costs, args.kv_gib, BLOCK_TOKENS),
+        block_tokens=BLOCK_TOKENS, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, service_ms=profile.service_ms,
+        policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
+                               memory_tokens=args.placement_memory_tokens),
+    )  # fmt: skip
+    return plan_run.run(args, config, StepTimeModel(costs, profile))
+
+
 def _line(row: dict) -> str:
     t, p, pl = row["ttft_ms"], row["tpot_ms"], row["placement_us"]
     return (f"{row['workers']:>5} workers {row['placement']:>11}: "
@@ -149,6 +173,18 @@ def add_sim_parser(sub) -> None:
                    help="each worker's sequences in one batch at most")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="each worker's tokens in one step at most")  # fmt: skip
+    p.add_argument("--planner-rate", type=float, help="instead: the SLA planner on a trace "
+                   "of this many conversations a second that triples and falls again, "
+                   "against an oracle that knows the trace")  # fmt: skip
+    p.add_argument("--plan-interval", type=float, default=30.0,
+                   help="seconds between the planner's decisions")  # fmt: skip
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="the planner's TTFT p99 SLO")
+    p.add_argument("--itl-slo-ms", type=float, default=50.0, help="the planner's ITL p99 SLO")
+    p.add_argument("--worker-start-s", type=float, default=45.0,
+                   help="seconds a new worker takes to serve")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=0.7,
+                   help="the share of each SLO the planner aims at")  # fmt: skip
+    p.add_argument("--max-workers", type=int, default=200, help="the planner's GPU budget")
     p.add_argument("--out", type=Path, help="a folder for sim.json and the plots")
     p.add_argument("--no-plots", action="store_true", help="write sim.json only")
     p.set_defaults(func=lambda args: 0 if run(args) else 1)

@@ -26,7 +26,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.common.errors import Saturated
+from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import GPU, KvIndex
 from services.scheduler.placement import PlacementPolicy, place
 from services.scheduler.registry import Registry, WorkerState
@@ -83,21 +83,46 @@ class Cluster:
         self._reported: dict[str, float] = {}
         self._published: dict[str, float] = {}
         self._event_ids: dict[str, int] = {}
-        for i in range(config.workers):
-            wid = f"worker-{i}"
-            self.workers[wid] = SimWorker(wid, model, config.capacity_blocks,
-                                          config.block_tokens, config.max_num_seqs,
-                                          config.max_num_batched_tokens)  # fmt: skip
-            self.registry.register(WorkerState(wid, f"sim:{i}", "colocated",
-                                               block_size=config.block_tokens,
-                                               max_num_seqs=config.max_num_seqs,
-                                               kv_blocks_total=config.capacity_blocks))  # fmt: skip
-            self.index.apply(wid, 0, {GPU: ([], [])}, reset=True)
-            self._event_ids[wid] = 0
+        self.model = model
+        self._ids = itertools.count()
+        self.gpu_seconds = 0.0  # workers powered (serving, draining, starting) × time
+        self.stopped: dict[str, SimWorker] = {}  # drained and powered off
+        self.finished: list[SimRequest] = []  # in the order they finished
+        self.starting = 0  # workers started, not yet serving
+        for _ in range(config.workers):
+            self.add_worker()
+
+    def add_worker(self) -> SimWorker:
+        """A worker that serves from now on."""
+        c, i = self.config, next(self._ids)
+        wid = f"worker-{i}"
+        worker = self.workers[wid] = SimWorker(wid, self.model, c.capacity_blocks,
+                                               c.block_tokens, c.max_num_seqs,
+                                               c.max_num_batched_tokens)  # fmt: skip
+        self.registry.register(WorkerState(wid, f"sim:{i}", "colocated",
+                                           block_size=c.block_tokens,
+                                           max_num_seqs=c.max_num_seqs,
+                                           kv_blocks_total=c.capacity_blocks))  # fmt: skip
+        self.index.apply(wid, 0, {GPU: ([], [])}, reset=True)
+        self._event_ids[wid] = 0
         self._order = list(self.registry.workers.values())
+        return worker
+
+    def drain_worker(self, worker_id: str) -> None:
+        """No more placements on it; it finishes what it holds, then powers off."""
+        self.registry.deregister(worker_id)
+        self.index.forget(worker_id)
+        self._order = list(self.registry.workers.values())
+        worker = self.workers[worker_id]
+        if not worker.busy:
+            self._step(worker)  # idle: powers off now
 
     def _push(self, at: float, kind: int, payload) -> None:
         heapq.heappush(self.events, (at, next(self._seq), kind, payload))
+
+    def on_event(self, kind: int, payload) -> None:
+        """An event of a kind a subclass pushed (the planner's)."""
+        raise ValueError(f"unknown simulation event {kind}")
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         began = time.perf_counter()
@@ -110,11 +135,14 @@ class Cluster:
             self._push(r.arrival, _ARRIVE, r)
         last = max((r.arrival for r in requests), default=0.0)
         self._push(last, _MARK, None)
-        refused, timings, finished, marked = 0, [], [], 0
+        refused, timings, marked = 0, [], 0
+        finished = self.finished
         service = self.config.service_ms / 1e3
         free_at = 0.0  # when the scheduler is done with the placements so far
         while self.events:
-            self.now, _, kind, payload = heapq.heappop(self.events)
+            at, _, kind, payload = heapq.heappop(self.events)
+            self.gpu_seconds += (len(self.workers) + self.starting) * (at - self.now)
+            self.now = at
             if kind == _ARRIVE:
                 started = time.perf_counter()
                 worker = self._place(payload)
@@ -128,16 +156,21 @@ class Cluster:
                     self._push(free_at + service, _DELIVER, (worker, payload))
             elif kind == _DELIVER:
                 worker, request = payload
+                if worker.worker_id not in self.workers:  # placed before it drained
+                    self.stopped.pop(worker.worker_id)
+                    self.workers[worker.worker_id] = worker
                 worker.add(request)
                 if not worker.busy:
                     self._step(worker)
             elif kind == _STEP:
                 finished += payload.end_step(self.now)
                 self._step(payload)
-            else:
+            elif kind == _MARK:
                 marked = sum(w.output_tokens for w in self.workers.values())
+            else:
+                self.on_event(kind, payload)
         busy = sum(timings) / last if last > 0 else 0.0
-        return SimResult(finished, refused, too_long, timings, list(self.workers.values()),
+        return SimResult(finished, refused, too_long, timings, self.every_worker(),
                          self.now, last, marked, busy, time.perf_counter() - began)  # fmt: skip
 
     def _place(self, request: SimRequest) -> SimWorker | None:
@@ -146,7 +179,7 @@ class Cluster:
         try:
             decision = place(self.registry, self.index, self.config.policy, request.hashes,
                              request.input_len)  # fmt: skip
-        except Saturated:
+        except (Saturated, WorkerUnavailable):  # every worker full, or none serving
             return None
         return self.workers[decision.worker.worker_id]
 
@@ -160,12 +193,19 @@ class Cluster:
                 return self.workers[state.worker_id]
         return None
 
+    def every_worker(self) -> list[SimWorker]:
+        """Those powered now and those powered off since (what each served counts)."""
+        return list(self.workers.values()) + list(self.stopped.values())
+
     def _step(self, worker: SimWorker) -> None:
         seconds = worker.start_step() if worker.has_work() else 0.0
         if seconds > 0:
             self._push(self.now + seconds, _STEP, worker)
         idle = seconds == 0
         wid = worker.worker_id
+        if idle and wid not in self.registry.workers:  # drained: powers off
+            self.stopped[wid] = self.workers.pop(wid)
+            return
         if idle or self.now - self._published.get(wid, -1.0) >= self.config.kv_interval:
             self._publish(worker)
         if idle or self.now - self._reported.get(wid, -1.0) >= self.config.load_interval:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from yinian.sim.cluster import SimResult
+from yinian.sim.worker import itls_ms, ttfts_ms
 
 
 def _pct(values, q: float) -> float | None:
@@ -21,9 +22,7 @@ def _spread(values) -> dict:
 
 def summary(result: SimResult) -> dict:
     done = result.requests
-    ttft = np.array([(r.first_token - r.arrival) * 1e3 for r in done])
-    tpot = np.array([(r.finished - r.first_token) / (r.output_len - 1) * 1e3
-                     for r in done if r.output_len > 1])  # fmt: skip
+    ttft, tpot = np.array(ttfts_ms(done)), np.array(itls_ms(done))
     place_us = np.array(result.placement_seconds) * 1e6
     # from arrival until placed: the placements before it, then its own
     placed_ms = np.array([(r.placed - r.arrival) * 1e3 for r in done])
@@ -63,7 +62,7 @@ def summary(result: SimResult) -> dict:
 
 def latencies(result: SimResult) -> dict[str, list[float]]:
     return {
-        "ttft_ms": sorted((r.first_token - r.arrival) * 1e3 for r in result.requests),
+        "ttft_ms": sorted(ttfts_ms(result.requests)),
         "worker_output_tokens": sorted(w.output_tokens for w in result.workers),
     }
 

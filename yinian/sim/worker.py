@@ -36,6 +36,16 @@ class SimRequest:
     worker: str = ""
 
 
+def ttfts_ms(requests) -> list[float]:
+    return [(r.first_token - r.arrival) * 1e3 for r in requests]
+
+
+def itls_ms(requests) -> list[float]:
+    """Each request's mean time between its tokens after the first."""
+    return [(r.finished - r.first_token) / (r.output_len - 1) * 1e3
+            for r in requests if r.output_len > 1]  # fmt: skip
+
+
 class SimWorker:
     def __init__(
         self,
