@@ -16,6 +16,7 @@ from yinian.sim.planning import (
     run_oracle,
     run_planned,
 )
+from yinian.sim.report import pyplot, save
 
 PROFILE_RATES = (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 36, 40, 48, 56)
 
@@ -77,12 +78,7 @@ def _profile_json(profile: CapacityProfile) -> list[dict]:
 
 
 def plot(out: dict, folder: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(8, 6), sharex=True)
     interval = out["planner_config"]["interval"]
     rates = out["interval_rates"]
     top.step([k * interval for k in range(len(rates))], rates, where="post", color="gray")
@@ -93,13 +89,7 @@ def plot(out: dict, folder: Path) -> Path:
     bottom.set_ylabel("workers asked for")
     bottom.set_xlabel("seconds (simulated)")
     bottom.legend()
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-    path = folder / "sim_planner.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, folder / "sim_planner.png")
 
 
 def run(args, config: SimConfig, model) -> dict:

@@ -67,42 +67,39 @@ def latencies(result: SimResult) -> dict[str, list[float]]:
     }
 
 
-def plot(runs: dict[str, dict[str, list[float]]], out_dir: Path) -> list[Path]:
-    """TTFT distributions (one line a run) and each run's output tokens per worker."""
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, series in runs.items():
-        ttft = series["ttft_ms"]
-        if ttft:
-            ax.plot(ttft, np.linspace(0, 1, len(ttft)), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, simulated)")
-    ax.set_ylabel("share of requests")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    path = out_dir / "sim_ttft.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    return plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, series in runs.items():
-        tokens = series["worker_output_tokens"]
-        if tokens:
-            ax.plot(np.linspace(0, 1, len(tokens)), tokens, label=name)
-    ax.set_xlabel("workers, least to most busy")
-    ax.set_ylabel("output tokens")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    path = out_dir / "sim_workers.png"
+
+def save(fig, path: Path) -> Path:
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-    return written
+    pyplot().close(fig)
+    return path
+
+
+def plot(runs: dict[str, dict[str, list[float]]], out_dir: Path) -> list[Path]:
+    """TTFT distributions (one line a run) and each run's output tokens per worker."""
+    plt = pyplot()
+    fig, (ttft_ax, work_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for name, series in runs.items():
+        ttft, tokens = series["ttft_ms"], series["worker_output_tokens"]
+        if ttft:
+            ttft_ax.plot(ttft, np.linspace(0, 1, len(ttft)), label=name)
+        if tokens:
+            work_ax.plot(np.linspace(0, 1, len(tokens)), tokens, label=name)
+    ttft_ax.set_xscale("log")
+    ttft_ax.set_xlabel("time to first token (ms, simulated)")
+    ttft_ax.set_ylabel("share of requests")
+    work_ax.set_xlabel("workers, least to most busy")
+    work_ax.set_ylabel("output tokens")
+    for ax in (ttft_ax, work_ax):
+        ax.legend(fontsize=8)
+    return [save(fig, out_dir / "sim.png")]
