@@ -90,7 +90,12 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
         streams = random_prompts(500, [20] * 8, seed=151)
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, mesh, p, 60) for p in streams]
-            time.sleep(1.5)  # mid-stream
+            # mid-stream: once worker-0 runs some of them (a fixed wait raced the
+            # prefills on a loaded host: killed before any stream reached it, none moved)
+            deadline = time.monotonic() + 60
+            while worker_metric(mesh, "yinian:num_requests_running").get("worker-0", 0) < 1:
+                assert time.monotonic() < deadline, "no stream reached worker-0"
+                time.sleep(0.05)
             os.kill(ranks[0], signal.SIGKILL)
             texts = [f.result(timeout=120) for f in futures]
         assert texts == [expected(reference, p, 60) for p in streams]
