@@ -79,6 +79,7 @@ class SchedulerClient:
         block_hashes: list[int],
         tenant: str,
         exclude: list[str],
+        block_size: int = 0,
     ) -> scheduler_pb2.Placement:
         # with recent placements to fall back on, a short wait (a scheduler answers in
         # milliseconds); without, the whole timeout (one restarting is waited for)
@@ -91,6 +92,7 @@ class SchedulerClient:
                     block_hashes=block_hashes,
                     tenant=tenant,
                     exclude_workers=exclude,
+                    block_size=block_size,
                 ),
                 timeout=wait,
                 metadata=grpc_metadata(),

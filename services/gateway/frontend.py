@@ -121,8 +121,9 @@ class Frontend:
         while True:
             with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
                 placement = await self.scheduler.place(
-                    prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded
-                )
+                    prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded,
+                    self.block_size,
+                )  # fmt: skip
                 span.set_attribute("yinian.worker_id", placement.worker_id)
                 span.set_attribute("yinian.matched_blocks", placement.matched_blocks)
                 if placement.prefill_worker_id:

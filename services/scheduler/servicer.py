@@ -25,6 +25,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.index = index
         self.policy = policy
         self.heartbeat_interval = heartbeat_interval
+        self._mismatches: set[tuple[int, int]] = set()  # (gateway's, worker's) block sizes said
 
     async def Register(self, request, context):
         if not request.worker_id or not request.address:
@@ -85,6 +86,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             metrics.PLACEMENTS.labels(outcome="placed").inc()
             metrics.PLACED_PREFIX_BLOCKS.labels(kind="chosen").inc(decision.matched_blocks)
             metrics.PLACED_PREFIX_BLOCKS.labels(kind="longest").inc(decision.longest_blocks)
+            if request.block_size and request.block_size != decision.worker.block_size:
+                self._block_size_mismatch(request.block_size, decision.worker)
             if decision.refused_prefills and decision.prefill is None:
                 metrics.PLACEMENTS.labels(outcome="prefill_layout_mismatch").inc()
                 span.set_attribute("yinian.prefill_refused", "KV layouts differ")
@@ -100,6 +103,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 out.prefill_address = decision.prefill.address
                 span.set_attribute("yinian.prefill_worker_id", decision.prefill.worker_id)
             return out
+
+    def _block_size_mismatch(self, asked: int, worker) -> None:
+        """The gateway hashed the prompt in blocks of another size than the worker's:
+        no prefix can match (prefix-aware placement is off in all but name). Counted
+        every time, said once per pair of sizes."""
+        metrics.PLACEMENTS.labels(outcome="block_size_mismatch").inc()
+        if (asked, worker.block_size) not in self._mismatches:
+            self._mismatches.add((asked, worker.block_size))
+            logger.warning(
+                "the gateway hashes prompts in blocks of %d tokens, worker %s caches blocks "
+                "of %d: no cached prefix can be found; give the gateway --block-size %d",
+                asked, worker.worker_id, worker.block_size, worker.block_size,
+            )  # fmt: skip
 
     async def ListWorkers(self, request, context):
         out = scheduler_pb2.ListWorkersResponse()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/yinian/v1/scheduler.proto\x12\tyinian.v1\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x12\n\ntransports\x18\t \x03(\t\x12\x0c\n\x04host\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x0e \x01(\r\"S\n\x10RegisterResponse\x12\"\n\x1aheartbeat_interval_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13nats_subject_prefix\x18\x02 \x01(\t\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"x\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\"{\n\tPlacement\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"\x14\n\x12ListWorkersRequest\"\xb4\x01\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.yinian.v1.WorkerInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x1c\n\x14seconds_since_report\x18\x03 \x01(\x01\x12\x1c\n\x14num_requests_running\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.yinian.v1.WorkerStatus2\x9c\x02\n\tScheduler\x12>\n\x08Register\x12\x15.yinian.v1.WorkerInfo\x1a\x1b.yinian.v1.RegisterResponse\x12I\n\nDeregister\x12\x1c.yinian.v1.DeregisterRequest\x1a\x1d.yinian.v1.DeregisterResponse\x12\x36\n\x05Place\x12\x17.yinian.v1.PlaceRequest\x1a\x14.yinian.v1.Placement\x12L\n\x0bListWorkers\x12\x1d.yinian.v1.ListWorkersRequest\x1a\x1e.yinian.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/yinian/v1/scheduler.proto\x12\tyinian.v1\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x12\n\ntransports\x18\t \x03(\t\x12\x0c\n\x04host\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x0e \x01(\r\"S\n\x10RegisterResponse\x12\"\n\x1aheartbeat_interval_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13nats_subject_prefix\x18\x02 \x01(\t\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x8c\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"{\n\tPlacement\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"\x14\n\x12ListWorkersRequest\"\xb4\x01\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.yinian.v1.WorkerInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x1c\n\x14seconds_since_report\x18\x03 \x01(\x01\x12\x1c\n\x14num_requests_running\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.yinian.v1.WorkerStatus2\x9c\x02\n\tScheduler\x12>\n\x08Register\x12\x15.yinian.v1.WorkerInfo\x1a\x1b.yinian.v1.RegisterResponse\x12I\n\nDeregister\x12\x1c.yinian.v1.DeregisterRequest\x1a\x1d.yinian.v1.DeregisterResponse\x12\x36\n\x05Place\x12\x17.yinian.v1.PlaceRequest\x1a\x14.yinian.v1.Placement\x12L\n\x0bListWorkers\x12\x1d.yinian.v1.ListWorkersRequest\x1a\x1e.yinian.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,16 +39,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEREGISTERREQUEST']._serialized_end=472
   _globals['_DEREGISTERRESPONSE']._serialized_start=474
   _globals['_DEREGISTERRESPONSE']._serialized_end=494
-  _globals['_PLACEREQUEST']._serialized_start=496
-  _globals['_PLACEREQUEST']._serialized_end=616
-  _globals['_PLACEMENT']._serialized_start=618
-  _globals['_PLACEMENT']._serialized_end=741
-  _globals['_LISTWORKERSREQUEST']._serialized_start=743
-  _globals['_LISTWORKERSREQUEST']._serialized_end=763
-  _globals['_WORKERSTATUS']._serialized_start=766
-  _globals['_WORKERSTATUS']._serialized_end=946
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=948
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1011
-  _globals['_SCHEDULER']._serialized_start=1014
-  _globals['_SCHEDULER']._serialized_end=1298
+  _globals['_PLACEREQUEST']._serialized_start=497
+  _globals['_PLACEREQUEST']._serialized_end=637
+  _globals['_PLACEMENT']._serialized_start=639
+  _globals['_PLACEMENT']._serialized_end=762
+  _globals['_LISTWORKERSREQUEST']._serialized_start=764
+  _globals['_LISTWORKERSREQUEST']._serialized_end=784
+  _globals['_WORKERSTATUS']._serialized_start=787
+  _globals['_WORKERSTATUS']._serialized_end=967
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=969
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1032
+  _globals['_SCHEDULER']._serialized_start=1035
+  _globals['_SCHEDULER']._serialized_end=1319
 # @@protoc_insertion_point(module_scope)

@@ -57,18 +57,20 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "tenant", "exclude_workers")
+    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "tenant", "exclude_workers", "block_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("worker_id", "address", "matched_blocks", "prefill_worker_id", "prefill_address")
