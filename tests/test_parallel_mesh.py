@@ -18,7 +18,7 @@ from test_hf_parity import random_prompts
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import gateway_metric, scrape, worker_metric
+from yinian.mesh_probe import gateway_metric, list_workers, scrape, wait_running, worker_metric
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -87,15 +87,13 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
         worker = mesh.child("worker-0").proc.pid
         ranks = followers_of(worker)
         assert len(ranks) == 1
+        metrics_of = {w.info.worker_id: w.info.metrics_address for w in list_workers(mesh)}
         streams = random_prompts(500, [20] * 8, seed=151)
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, mesh, p, 60) for p in streams]
             # mid-stream: once worker-0 runs some of them (a fixed wait raced the
             # prefills on a loaded host: killed before any stream reached it, none moved)
-            deadline = time.monotonic() + 60
-            while worker_metric(mesh, "yinian:num_requests_running").get("worker-0", 0) < 1:
-                assert time.monotonic() < deadline, "no stream reached worker-0"
-                time.sleep(0.05)
+            wait_running(metrics_of["worker-0"], timeout=60)
             os.kill(ranks[0], signal.SIGKILL)
             texts = [f.result(timeout=120) for f in futures]
         assert texts == [expected(reference, p, 60) for p in streams]

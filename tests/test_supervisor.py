@@ -19,7 +19,7 @@ import pytest
 from bench.loadgen.client import RequestInput, send_request
 from yinian.children import launch
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import scrape
+from yinian.mesh_probe import scrape, wait_running
 from yinian.supervisor import GaveUp, Supervisor
 
 
@@ -112,7 +112,7 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
             streams = [pool.submit(stream, url, f"story {i}", 600) for i in range(16)]
             # killed once it decodes some of them (a fixed wait raced the prefills on a
             # loaded CI host: the streams all went to decode-1 and none migrated)
-            _wait_running(up.metrics_address("decode-0"), timeout=60)
+            wait_running(up.metrics_address("decode-0"), timeout=60)
             subprocess.run(["kill", "-9", str(decode_0)], check=True)
             results = [s.result(timeout=150) for s in streams]
         assert [r.error for r in results if not r.success] == []
@@ -138,13 +138,6 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
-
-
-def _wait_running(metrics_address: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while scrape(f"http://{metrics_address}/metrics", "yinian:num_requests_running") < 1:
-        assert time.monotonic() < deadline, f"nothing ran on {metrics_address}"
-        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

@@ -91,3 +91,13 @@ def wait_store_mapped(mesh, timeout: float = 120.0) -> float:
             break
         time.sleep(0.2)
     return time.monotonic() - start
+
+
+def wait_running(metrics_address: str, timeout: float = 60.0) -> None:
+    """Waits until the worker at `metrics_address` reports a request running (a
+    test that kills a worker mid-stream waits for this, not for a fixed time)."""
+    deadline = time.monotonic() + timeout
+    while scrape(f"http://{metrics_address}/metrics", "yinian:num_requests_running") < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no request ran on {metrics_address} within {timeout:g} s")
+        time.sleep(0.05)

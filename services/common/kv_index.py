@@ -68,7 +68,7 @@ class KvIndex:
         for tier, (stored, removed) in changes.items():
             key = (holder, tier)
             blocks = self._blocks[key]
-            bit, masks = self._bit_of(holder), self._masks
+            bit, masks = self.bit_of(holder), self._masks
             for h in stored:
                 masks[(h, tier)] = masks.get((h, tier), 0) | bit
                 blocks.add(h)
@@ -92,12 +92,6 @@ class KvIndex:
     def bit_of(self, holder: str) -> int:
         """The holder's bit in this index's masks (given one if it has none); it
         stays the holder's until `bit_epoch` changes."""
-        return self._bit_of(holder)
-
-    def holder_names(self, mask: int) -> set[str]:
-        return self._holders_of(mask)
-
-    def _bit_of(self, holder: str) -> int:
         bit = self._bit.get(holder)
         if bit is None:
             if self._free:
@@ -116,7 +110,7 @@ class KvIndex:
         else:
             self._masks.pop((h, key[1]), None)
 
-    def _holders_of(self, mask: int) -> set[str]:
+    def holder_names(self, mask: int) -> set[str]:
         names = self._names
         if not mask:
             return set()
@@ -170,8 +164,8 @@ class KvIndex:
         try:
             active = reduce(or_, map(self._bit.__getitem__, holders), 0)
         except KeyError:  # a holder the index never heard of: give it its bit
-            active = reduce(or_, map(self._bit_of, holders), 0)
-        return [(counts, self._holders_of(mask))
+            active = reduce(or_, map(self.bit_of, holders), 0)
+        return [(counts, self.holder_names(mask))
                 for counts, mask in self.prefix_group_masks(block_hashes, active)]  # fmt: skip
 
     def prefix_group_masks(self, block_hashes, active: int) -> list[tuple[Counts, int]]:
@@ -227,7 +221,7 @@ class KvIndex:
     def holders(self, block_hash: int) -> set[tuple[str, str]]:
         masks = self._masks
         return {(holder, t) for t in TIERS
-                for holder in self._holders_of(masks.get((block_hash, t), 0))}  # fmt: skip
+                for holder in self.holder_names(masks.get((block_hash, t), 0))}  # fmt: skip
 
     def num_blocks(self, holder: str, tier: str = GPU) -> int:
         return len(self._blocks.get((holder, tier), ()))

@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 from basis.flags import DefaultsFormatter
 from basis.model_config import ModelConfig
-from bench.loadgen.traces import BLOCK_TOKENS, TraceEntry, make_trace, read_trace
+from bench.loadgen.traces import BLOCK_TOKENS, make_trace, read_trace
 from engine.make_model import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel, profile_names
 from services.scheduler.placement import PlacementPolicy
 from yinian.sim.cluster import PLACEMENTS, Cluster, SimConfig
 from yinian.sim.report import latencies, plot, summary
-from yinian.sim.worker import SimRequest
-
-
-def requests_of(entries: list[TraceEntry]) -> list[SimRequest]:
-    start = entries[0].timestamp_ms if entries else 0.0
-    return [SimRequest(i, (e.timestamp_ms - start) / 1e3, e.input_length, e.output_length,
-                       tuple(e.hash_ids)) for i, e in enumerate(entries)]  # fmt: skip
-
-
-def synthetic(requests: int, rate: float, seed: int) -> list[TraceEntry]:
-    rows = make_trace(requests, rate, seed=seed)
-    return [TraceEntry(float(r["timestamp"]), r["input_length"], r["output_length"],
-                       tuple(r["hash_ids"])) for r in rows]  # fmt: skip
+from yinian.sim.worker import entries_of, sim_requests
 
 
 def capacity_blocks(costs: ModelCosts, kv_gib: float, block_tokens: int) -> int:
@@ -52,6 +41,24 @@ def _counts(text: str, what: str) -> list:
     return values
 
 
+def setup(args) -> tuple[SimConfig, StepTimeModel]:
+    """One worker's settings as the flags give them, and the device model."""
+    if args.kv_gib <= 0:
+        raise ValueError("--kv-gib must be > 0")
+    if args.placement_request_tokens < 0 or args.placement_memory_tokens < 0:
+        raise ValueError("--placement-request-tokens and --placement-memory-tokens must be >= 0")
+    costs = ModelCosts.of(ModelConfig.from_dict(preset_config(args.preset)))
+    profile = DeviceProfile.load(args.device)
+    config = SimConfig(
+        workers=1, capacity_blocks=capacity_blocks(costs, args.kv_gib, BLOCK_TOKENS),
+        block_tokens=BLOCK_TOKENS, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, service_ms=profile.service_ms,
+        policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
+                               memory_tokens=args.placement_memory_tokens),
+    )  # fmt: skip
+    return config, StepTimeModel(costs, profile)
+
+
 def run(args) -> dict:
     workers = _counts(args.workers, "--workers")
     placements = [p.strip() for p in args.placement.split(",") if p.strip()]
@@ -62,15 +69,11 @@ def run(args) -> dict:
         return _plan(args)
     if (args.trace is None) == (args.synthetic_per_worker is None):
         raise ValueError("give either --trace or --synthetic-per-worker (or --planner-rate)")
-    if args.rate_per_worker <= 0 or args.kv_gib <= 0 or args.time_scale <= 0:
-        raise ValueError("--rate-per-worker, --kv-gib and --time-scale must be > 0")
-    if args.placement_request_tokens < 0 or args.placement_memory_tokens < 0:
-        raise ValueError("--placement-request-tokens and --placement-memory-tokens must be >= 0")
-    costs = ModelCosts.of(ModelConfig.from_dict(preset_config(args.preset)))
-    profile = DeviceProfile.load(args.device)
-    model = StepTimeModel(costs, profile)
+    if args.rate_per_worker <= 0 or args.time_scale <= 0:
+        raise ValueError("--rate-per-worker and --time-scale must be > 0")
+    base, model = setup(args)
     trace = read_trace(args.trace, args.limit) if args.trace else None
-    out = {"command": "yinian sim", "device": profile.name, "preset": args.preset,
+    out = {"command": "yinian sim", "device": model.profile.name, "preset": args.preset,
            "placement_request_tokens": args.placement_request_tokens,
            "placement_memory_tokens": args.placement_memory_tokens,
            "python": platform.python_version(), "trace": str(args.trace) if args.trace else
@@ -79,21 +82,15 @@ def run(args) -> dict:
            "runs": []}  # fmt: skip
     series = {}
     for n in workers:
-        entries = trace or synthetic(args.synthetic_per_worker * n, args.rate_per_worker * n,
-                                     args.seed)  # fmt: skip
+        entries = trace
+        if entries is None:  # synthetic: the load grows with the workers
+            count, rate = args.synthetic_per_worker * n, args.rate_per_worker * n
+            entries = entries_of(make_trace(count, rate, seed=args.seed))
         for placement in placements:
-            config = SimConfig(
-                workers=n, placement=placement,
-                capacity_blocks=capacity_blocks(costs, args.kv_gib, BLOCK_TOKENS),
-                block_tokens=BLOCK_TOKENS, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                service_ms=profile.service_ms,
-                policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
-                                       memory_tokens=args.placement_memory_tokens),
-            )  # fmt: skip
-            requests = requests_of(entries)
+            requests = sim_requests(entries, -entries[0].timestamp_ms)
             for r in requests:
                 r.arrival *= args.time_scale
+            config = replace(base, workers=n, placement=placement)
             result = Cluster(config, model).run(requests)
             row = {"placement": placement, **summary(result)}
             out["runs"].append(row)
@@ -118,16 +115,7 @@ def _plan(args) -> dict:
     if args.worker_start_s < 0 or not 0 < args.headroom <= 1 or args.max_workers < 1:
         raise ValueError("--worker-start-s must be >= 0, --headroom in (0, 1], "
                          "--max-workers >= 1")  # fmt: skip
-    costs = ModelCosts.of(ModelConfig.from_dict(preset_config(args.preset)))
-    profile = DeviceProfile.load(args.device)
-    config = SimConfig(
-        workers=1, capacity_blocks=capacity_blocks(costs, args.kv_gib, BLOCK_TOKENS),
-        block_tokens=BLOCK_TOKENS, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, service_ms=profile.service_ms,
-        policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
-                               memory_tokens=args.placement_memory_tokens),
-    )  # fmt: skip
-    return plan_run.run(args, config, StepTimeModel(costs, profile))
+    return plan_run.run(args, *setup(args))
 
 
 def _line(row: dict) -> str:

@@ -9,7 +9,7 @@ GPU time counts every worker powered: serving, starting or draining."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,19 +22,10 @@ from services.scheduler.planner import (
     SlaPlanner,
 )
 from yinian.sim.cluster import Cluster, SimConfig
-from yinian.sim.worker import SimRequest, itls_ms, ttfts_ms
+from yinian.sim.report import pct
+from yinian.sim.worker import SimRequest, entries_of, itls_ms, sim_requests, ttfts_ms
 
 _PLAN, _STARTED = 10, 11
-
-
-def _p99(values) -> float | None:
-    return float(np.percentile(values, 99)) if len(values) else None
-
-
-def trace_requests(entries: list[dict], start_ms: float = 0.0, first_id: int = 0):
-    return [SimRequest(first_id + i, (e["timestamp"] + start_ms) / 1e3, e["input_length"],
-                       e["output_length"], tuple(e["hash_ids"]))
-            for i, e in enumerate(entries)]  # fmt: skip
 
 
 def phased_trace(rate: float, phases: list[tuple[float, float]], seed: int = 0):
@@ -48,7 +39,7 @@ def phased_trace(rate: float, phases: list[tuple[float, float]], seed: int = 0):
                    if e["timestamp"] < seconds * 1e3]  # fmt: skip
         for e in entries:  # the shared system prompts stay shared; the rest is the phase's
             e["hash_ids"] = [h if h < 8 else h + (k + 1) * 10**9 for h in e["hash_ids"]]
-        out += trace_requests(entries, start * 1e3, len(out))
+        out += sim_requests(entries_of(entries), start * 1e3, len(out))
         start += seconds
     return out
 
@@ -59,12 +50,11 @@ def profile_worker(config: SimConfig, model, rates: list[float], requests: int =
     and ITL p99 it served (a rate no worker keeps up with ends the profile)."""
     rows = []
     for rate in rates:
-        reqs = trace_requests(make_trace(requests, rate, seed=seed))
-        one = SimConfig(**{**config.__dict__, "workers": 1})
-        result = Cluster(one, model).run(reqs)
+        reqs = sim_requests(entries_of(make_trace(requests, rate, seed=seed)))
+        result = Cluster(replace(config, workers=1), model).run(reqs)
         done = result.requests
         span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
-        rows.append((len(reqs) / span, _p99(ttfts_ms(done)), _p99(itls_ms(done))))
+        rows.append((len(reqs) / span, pct(ttfts_ms(done), 99), pct(itls_ms(done), 99)))
         if result.refused or len(done) < len(reqs):
             break
     rows.sort()
@@ -106,8 +96,8 @@ class PlannedCluster(Cluster):
         serving = len(self.registry.workers)
         stats = IntervalStats(
             int(came),
-            _p99(ttfts_ms(new)),
-            _p99(itls_ms(new)),
+            pct(ttfts_ms(new), 99),
+            pct(itls_ms(new), 99),
             serving,
         )
         decision = self.planner.decide(stats)
@@ -150,8 +140,7 @@ class OraclePlanner(SlaPlanner):
 
     def __init__(self, config: PlannerConfig, profile: CapacityProfile, rates, factor: float,
                  lead: int):  # fmt: skip
-        exact = PlannerConfig(**{**config.__dict__, "headroom": 1.0})
-        super().__init__(exact, profile, p=factor, d=factor)
+        super().__init__(replace(config, headroom=1.0), profile, p=factor, d=factor)
         self.rates, self.k, self.lead = rates, 0, lead
 
     def decide(self, stats: IntervalStats) -> Decision:
@@ -183,14 +172,14 @@ def run_planned(config: SimConfig, model, planner: SlaPlanner, requests: list[Si
     (by the planner's profile: both the planner and the oracle know the load at
     the start) and then follows the planner."""
     first = interval_rates(requests, planner.config.interval)[0]
-    start = SimConfig(**{**config.__dict__, "workers": planner.workers_for(first)})
+    start = replace(config, workers=planner.workers_for(first))
     cluster = PlannedCluster(start, model, planner, start_seconds)
     result = cluster.run(requests)
     done = result.requests
     return PlanResult(
         cluster.gpu_seconds,
-        _p99(ttfts_ms(done)),
-        _p99(itls_ms(done)),
+        pct(ttfts_ms(done), 99),
+        pct(itls_ms(done), 99),
         result.refused + result.too_long,
         cluster.log,
     )

@@ -11,12 +11,12 @@ from yinian.sim.cluster import SimResult
 from yinian.sim.worker import itls_ms, ttfts_ms
 
 
-def _pct(values, q: float) -> float | None:
+def pct(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
 def _spread(values) -> dict:
-    return {"p50": _pct(values, 50), "p90": _pct(values, 90), "p99": _pct(values, 99),
+    return {"p50": pct(values, 50), "p90": pct(values, 90), "p99": pct(values, 99),
             "mean": float(np.mean(values)) if len(values) else None}  # fmt: skip
 
 
@@ -42,7 +42,7 @@ def summary(result: SimResult) -> dict:
         "ttft_ms": _spread(ttft),
         "tpot_ms": _spread(tpot),
         "kv_hit_rate": cached / prompt if prompt else 0.0,
-        "placement_us": _spread(place_us) | {"max": _pct(place_us, 100)},
+        "placement_us": _spread(place_us) | {"max": pct(place_us, 100)},
         "until_placed_ms": _spread(placed_ms),
         "output_tokens": output,
         "output_tok_s": output / seconds,

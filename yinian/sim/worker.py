@@ -14,6 +14,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from bench.loadgen.traces import TraceEntry
 from engine.step_time_model import StepTimeModel
 from yinian.sim.block_pool import BlockPool
 
@@ -34,6 +35,21 @@ class SimRequest:
     finished: float | None = None
     join_step: int = 0  # the worker's step count when it began decoding
     worker: str = ""
+
+
+def entries_of(rows: list[dict]) -> list[TraceEntry]:
+    """`make_trace`'s rows as a trace file's entries."""
+    return [TraceEntry(float(r["timestamp"]), r["input_length"], r["output_length"],
+                       tuple(r["hash_ids"])) for r in rows]  # fmt: skip
+
+
+def sim_requests(entries: list[TraceEntry], shift_ms: float = 0.0,
+                 first_id: int = 0) -> list[SimRequest]:  # fmt: skip
+    """Fresh requests of a trace's entries (a run changes them), arriving `shift_ms`
+    after their timestamps, numbered from `first_id`."""
+    return [SimRequest(first_id + i, (e.timestamp_ms + shift_ms) / 1e3, e.input_length,
+                       e.output_length, tuple(e.hash_ids))
+            for i, e in enumerate(entries)]  # fmt: skip
 
 
 def ttfts_ms(requests) -> list[float]:
