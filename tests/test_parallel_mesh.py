@@ -5,8 +5,10 @@ layout differs from its decode worker's is never paired with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +31,22 @@ def complete(mesh, prompt, max_tokens=12):
     resp = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["text"]
+
+
+def stream(mesh, prompt, max_tokens, started: threading.Event) -> str:
+    """A streamed completion's text; `started` is set once its first text arrives."""
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    pieces = []
+    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                pieces.append(choice["text"])
+                started.set()
+    return "".join(pieces)
 
 
 @pytest.fixture(scope="module")
@@ -77,26 +95,32 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
         def every_rank_ran(rank_busy) -> bool:
             return len(rank_busy) == 2 and all(v > 0 for v in rank_busy.values())
 
-        # TP = 2 workers through the gateway, until both have served (placement may send
-        # the first prompts of an idle mesh to one worker)
-        for prompt in random_prompts(500, (5, 30, 64) * 4, seed=150):
-            assert complete(mesh, prompt) == expected(reference, prompt)
-            if every_rank_ran(busy()):
-                break
+        # TP = 2 workers through the gateway, until both have served: two at a time (an
+        # idle mesh's placement sends one prompt after another to the same worker)
+        prompts = random_prompts(500, (5, 30, 64) * 4, seed=150)
+        with ThreadPoolExecutor(2) as pool:
+            for pair in zip(prompts[::2], prompts[1::2]):
+                texts = list(pool.map(complete, [mesh] * 2, pair))
+                assert texts == [expected(reference, p) for p in pair]
+                if every_rank_ran(busy()):
+                    break
         assert every_rank_ran(wait_for(busy))
         worker = mesh.child("worker-0").proc.pid
         ranks = followers_of(worker)
         assert len(ranks) == 1
         metrics_of = {w.info.worker_id: w.info.metrics_address for w in list_workers(mesh)}
         streams = random_prompts(500, [20] * 8, seed=151)
+        started = [threading.Event() for _ in streams]
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(complete, mesh, p, 60) for p in streams]
-            # mid-stream: once worker-0 runs some of them (a fixed wait raced the
-            # prefills on a loaded host: killed before any stream reached it, none moved)
+            futures = [pool.submit(stream, mesh, p, 200, s) for p, s in zip(streams, started)]
+            # mid-stream: once worker-0 runs some of them and every stream has had text
+            # (a gateway moves a stream that had output; one that had none is placed
+            # again, and a fixed wait raced the prefills on a loaded host)
             wait_running(metrics_of["worker-0"], timeout=60)
+            assert all(s.wait(timeout=60) for s in started)
             os.kill(ranks[0], signal.SIGKILL)
             texts = [f.result(timeout=120) for f in futures]
-        assert texts == [expected(reference, p, 60) for p in streams]
+        assert texts == [expected(reference, p, 200) for p in streams]
         assert mesh.child("worker-0").proc.wait(timeout=10) == 70  # it left, unhealthy
         assert gateway_metric(mesh, "yinian:request_migrations_total") >= 1
 
