@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.stats import engine_stats
 from engine.step_timing import StepTiming
-from engine.stepping import Step, complete, launch, pipelined
+from engine.stepping import Stepper
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +80,17 @@ class LLMEngine:
         )
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self.async_scheduling = self.config.async_scheduling
-        if self.async_scheduling is None:  # default: on where the device runs apart
+        async_scheduling = self.config.async_scheduling
+        if async_scheduling is None:  # default: on where the device runs apart
             # (a mock on a GPU's profile models the GPU, running apart as well)
             mock_gpu = self.config.mock_device is not None
-            self.async_scheduling = self.runner.device.type == "cuda" or mock_gpu
-        # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
-        self.pipeline_depth = self.config.pipeline_parallel_size
+            async_scheduling = self.runner.device.type == "cuda" or mock_gpu
         self.timing = StepTiming(self.runner.device.type == "cuda")
-        self.pipeline: deque[Step] = deque()
-        if self.pipeline_depth > 1:
-            self.async_scheduling = False
-        self._inflight: Step | None = None  # queued on the device, not yet read back
+        self.stepper = Stepper(
+            self.scheduler, self.runner, self.kv, self.tiers, self.disagg, self.timing,
+            self.requests, async_scheduling=async_scheduling,
+            pipeline_depth=self.config.pipeline_parallel_size, max_model_len=self.max_model_len,
+        )  # fmt: skip
         self._grammars: GrammarCompiler | None = None  # made by the first structured output
 
     # -- requests ------------------------------------------------------------
@@ -217,9 +215,16 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether a step would do anything (reserved remote prefills wait outside)."""
-        return (
-            self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.pipeline)
-        )
+        return self.stepper.has_work()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether a step is read back during the next one (see stepping)."""
+        return self.stepper.async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        self.stepper.async_scheduling = on and self.stepper.pipeline_depth == 1
 
     # -- stepping ------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -230,21 +235,7 @@ class LLMEngine:
         the next call, after that call has queued its own step: the host work of
         one step (outputs, scheduling, inputs) overlaps the device work of the
         next. Each sequence's next input token then comes from the device."""
-        if self.pipeline_depth > 1:
-            touched: dict[str, RequestState] = {}
-            pipelined(self, touched)
-            return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
-        launched = launch(self)
-        done = [self._inflight] if self._inflight is not None else []
-        self._inflight = None
-        if launched is not None:
-            if launched.overlap:
-                self._inflight = launched
-            else:
-                done.append(launched)
-        touched: dict[str, RequestState] = {}
-        for step in done:
-            complete(self, step, touched)
+        touched = self.stepper.run()
         return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
 
     # -- disaggregation (decode role) ------------------------------------------
@@ -266,7 +257,7 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if params.n != 1:
             raise ValueError("remote prefill needs n == 1")
-        self._settle_for_outside_writes()
+        self.stepper.settle()
         seq = self._new_sequence(
             request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
         )
@@ -286,18 +277,12 @@ class LLMEngine:
             self.tiers.load_pending(outside_writes=True)
         return reservation
 
-    def _settle_for_outside_writes(self) -> None:
-        """Blocks freed while the in-flight step runs may still receive its writes: it
-        must be done before blocks taken now are written from outside its stream."""
-        if self._inflight is not None and self._inflight.sample is not None:
-            self._inflight.sample.wait()
-
     # -- blocks lent by a KV store on this host (the worker copies them in) ---------
     def import_device_begin(self, hashes: list[int], start: int) -> list[int]:
         """Device blocks held for `hashes[start:]`, to be filled from outside (see
         KVTiers.import_device_begin); a tenth of the pool stays free for running
         sequences."""
-        self._settle_for_outside_writes()
+        self.stepper.settle()
         ids = self.tiers.import_device_begin(hashes, start, self.kv.pool.num_usable_blocks // 10)
         if ids:
             self.tiers.load_pending(outside_writes=True)  # evicted blocks saved first
@@ -324,8 +309,7 @@ class LLMEngine:
     def housekeeping(self) -> bool:
         """Between steps, also when idle: ends expired leases and finished host-tier
         copies. True when blocks were freed."""
-        freed = bool(self.expire_held())
-        return self.tiers.housekeeping() or freed
+        return self.stepper.housekeeping()
 
     def _emit(self, state: RequestState) -> RequestOutput:
         out = make_output(state)
@@ -349,7 +333,7 @@ class LLMEngine:
             self.abort_request(request_id)
         for request_id in list(self.disagg.held):
             self.disagg.release(request_id)
-        self._inflight = None
+        self.stepper.drop()
         self.tiers.close()
         self.runner.close()
 

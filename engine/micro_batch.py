@@ -80,7 +80,7 @@ def _part(meta: AttentionMetadata, first: int, stop: int, ends: list[int]) -> Mi
     return MicroBatch(slice(row0, row1), sub)
 
 
-def run_micro_batches(model, input_ids, positions, kv_caches, meta, backend, parts):
+def run_micro_batches(model, input_ids, positions, kv_caches, meta, backend, parts, layer_hook):
     """Runs the step whole (parts None) or as ping-pong micro-batches; returns the
     final hidden states of every row, in the step's order."""
     if parts is None:
@@ -90,8 +90,8 @@ def run_micro_batches(model, input_ids, positions, kv_caches, meta, backend, par
     def layer_done(i: int) -> None:
         # The KV handoff hook sees a layer once every micro-batch has written it.
         finished[i] += 1
-        if finished[i] == len(parts) and model.layer_hook is not None:
-            model.layer_hook(i)
+        if finished[i] == len(parts) and layer_hook is not None:
+            layer_hook(i)
 
     streams = [
         model.layer_stream(

@@ -27,9 +27,7 @@ _ROWS = 61  # rows of the logits table (prime: lengths spread over all of them)
 
 
 class _NoModel:
-    """What the engine reaches on `runner.model`: the disaggregation's layer hook."""
-
-    layer_hook = None
+    """What stands on `runner.model` until the runner is closed (None then)."""
 
 
 class MockRunner:
@@ -73,6 +71,7 @@ class MockRunner:
         num_new: list[int],
         block_tables: list[list[int]],
         force_eager: bool = False,
+        layer_hook=None,
     ) -> PendingSample | None:
         """Samples the step's tokens and queues the step on a modelled device: it
         runs once the steps queued before it have, for its modelled time; its
@@ -84,6 +83,9 @@ class MockRunner:
         self.device_free_at = max(time.perf_counter(), self.device_free_at) + seconds
         self.busy_seconds += seconds
         self.steps += 1
+        if layer_hook is not None:  # a KV handoff: every layer is "written" now
+            for layer in range(len(self.kv_caches)):
+                layer_hook(layer)
         if not sampled:
             return None
         rows = torch.tensor([(s.prompt_token_ids[-1] * 31 + s.num_tokens) % _ROWS for s in sampled])

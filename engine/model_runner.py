@@ -203,13 +203,12 @@ class ModelRunner:
                             self.followers, as_rows)  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, layer_hook=None) -> torch.Tensor:
         """Final hidden states of every row of the step (always eager)."""
         self.num_tokens_processed += int(inputs.input_ids.shape[0])
         with ops.using(self.kernel_mode):
-            return self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
-            )
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                              self.backend, layer_hook)  # fmt: skip
 
     @torch.inference_mode()
     def launch(
@@ -218,13 +217,17 @@ class ModelRunner:
         num_new: list[int],
         block_tables: list[list[int]],
         force_eager: bool = False,
+        layer_hook=None,
     ) -> PendingSample | None:
         """Queues the step on the device and returns its sampled tokens, not yet read
         back (None when no sequence samples this step). Grammar masks are filled
-        by the sampler, after the forward pass is queued."""
+        by the sampler, after the forward pass is queued. `layer_hook`, when given, is
+        called with each layer's index once the step has written its KV (a KV handoff;
+        the step then runs eagerly)."""
         start = time.perf_counter()
         try:
-            return self._launch(seqs, num_new, block_tables, force_eager)
+            eager = force_eager or layer_hook is not None
+            return self._launch(seqs, num_new, block_tables, eager, layer_hook)
         finally:
             self.busy_seconds += time.perf_counter() - start
             self.steps += 1
@@ -238,7 +241,7 @@ class ModelRunner:
         return step_inputs.rows_pay(seqs, num_new, self.graphs.max_batch, per_token,
                                     self.weight_bytes)  # fmt: skip
 
-    def _launch(self, seqs, num_new, block_tables, force_eager):
+    def _launch(self, seqs, num_new, block_tables, force_eager, layer_hook):
         as_rows = not force_eager and self.rows_pay(seqs, num_new)
         inputs = self.prepare(seqs, num_new, block_tables, as_rows)
         masks = masks_for(inputs.sample_seqs)
@@ -258,7 +261,7 @@ class ModelRunner:
             return self.sampler.launch(logits, inputs.sample_seqs, masks)
         if self.stage is not None:
             return self._launch_stage(inputs, masks)
-        hidden = self.forward(inputs)
+        hidden = self.forward(inputs, layer_hook)
         if not inputs.sample_seqs:
             return None
         with ops.using(self.kernel_mode):

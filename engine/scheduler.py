@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.output_processor import process_token
-from engine.sampler import SampleResult
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -171,51 +169,21 @@ class Scheduler:
         batch.preempted.append(seq)
 
     # -- after a step ------------------------------------------------------------
-    def update(
-        self,
-        seqs: list[Sequence],
-        computed: list[int],
-        sampled: list[Sequence],
-        tokens: SampleResult | None,
-        pending: bool = False,
-    ) -> list[Sequence]:
-        """Applies a finished step: publishes the blocks it wrote (KV commit), then
-        appends each sampled token, forking a request's siblings once its first
-        sequence has its prompt, and finishing sequences that stop. Returns the
-        finished sequences whose blocks are held for a handoff (out of the queues,
-        blocks kept); every other finished one has left with its blocks freed.
-
-        `computed` is each sequence's computed-token count as of this step (a later
-        step may already be running); `pending` says the step's tokens were each
-        sequence's pending token (async scheduling)."""
+    def commit(self, seqs: list[Sequence], computed: list[int]) -> None:
+        """Publishes the blocks a finished step wrote (KV commit). `computed` is each
+        sequence's computed-token count as of that step (a later one may be running)."""
         for seq, num_computed in zip(seqs, computed):
             if not seq.is_finished:
                 self.kv.commit(seq, num_computed)
-        if tokens is None:
-            return []
-        held = []
-        for i, seq in enumerate(sampled):
-            if pending:
-                seq.resolve_pending()
-            if seq.is_finished:  # finished or aborted while this step ran: its token is moot
-                continue
-            if seq.index == 0:
-                self._fork_children(seq)
-            process_token(
-                seq,
-                tokens.token_ids[i],
-                tokens.token_logprobs[i],
-                tokens.logprobs[i],
-                self.max_model_len,
-            )
-            if not seq.is_finished:
-                continue
-            if seq.hold_blocks and seq.finish_reason != FinishReason.ERROR:
-                self._discard(seq)
-                held.append(seq)
-            else:
-                self.remove(seq)
-        return held
+
+    def finished(self, seq: Sequence) -> bool:
+        """A sequence finished: it leaves with its blocks freed, or, when its blocks are
+        held for a handoff, leaves the queues with them kept (returns True)."""
+        if seq.hold_blocks and seq.finish_reason != FinishReason.ERROR:
+            self._discard(seq)
+            return True
+        self.remove(seq)
+        return False
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Ends a sequence with an error; siblings waiting to fork from it compute alone."""
@@ -225,7 +193,8 @@ class Scheduler:
             if sibling.fork_parent is seq:
                 sibling.fork_parent = None
 
-    def _fork_children(self, parent: Sequence) -> None:
+    def fork_children(self, parent: Sequence) -> None:
+        """The siblings waiting for a request's first sequence share its prompt now."""
         for child in [s for s in self._waiting if s.fork_parent is parent]:
             self._waiting.remove(child)
             self.kv.fork(parent, child)

@@ -1,9 +1,12 @@
-"""One model step in two halves: `launch` schedules a batch and queues its
-forward pass and sampling on the device; `complete` reads the sampled tokens
-back and applies them (append, stop checks, freeing what finished).
+"""The engine's step, an object given its collaborators (scheduler, runner, KV
+cache manager, tiers, disaggregation, timing): `launch` schedules a batch and
+queues its forward pass and sampling on the device; `complete` reads the
+sampled tokens back and applies them: the KV it wrote is committed, each token
+goes through the output processor (the one place that detokenizes and checks
+stop strings), and the scheduler frees or holds what finished.
 
-The engine completes a step right after launching it, or, with async
-scheduling, during the next `step()` call after the next launch: the host
+A step is completed right after its launch, or, with async scheduling, during
+the next `run()` after the next launch: the host
 work of one step then overlaps the device work of the next, and each running
 sequence's next input token is read on the device from the step that
 sampled it (its `pending_token`). A step is not run ahead of when a sequence
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
-from engine.output_processor import RequestState
+from engine.output_processor import RequestState, process_token
 from engine.sampler import PendingSample
 from engine.sequence import Sequence
 
@@ -38,67 +42,168 @@ class Step:
     timing: object | None = None  # the device's events around it, for one step in a few
 
 
-def launch(engine) -> Step | None:
-    """Schedules a batch and queues its step on the device (None: nothing to run)."""
-    batch = engine.scheduler.schedule()
-    if not batch.seqs:
-        return None
-    now = time.monotonic()
-    for seq in batch.seqs:
-        metrics = engine.requests[seq.request_id].metrics
-        if metrics.first_scheduled_time is None:
-            metrics.first_scheduled_time = now
-    step = Step(batch.seqs)
-    if engine.pipeline_depth > 1:
+class Stepper:
+    """Runs the engine's steps over `requests` (the engine's request states, by id)."""
+
+    def __init__(self, scheduler, runner, kv, tiers, disagg, timing, requests: dict,
+                 *, async_scheduling: bool, pipeline_depth: int, max_model_len: int):  # fmt: skip
+        self.scheduler, self.runner, self.kv = scheduler, runner, kv
+        self.tiers, self.disagg, self.timing = tiers, disagg, timing
+        self.requests = requests
+        # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
+        self.pipeline_depth = pipeline_depth
+        self.async_scheduling = async_scheduling and pipeline_depth == 1
+        self.max_model_len = max_model_len
+        self.inflight: Step | None = None  # queued on the device, not yet read back
+        self.pipeline: deque[Step] = deque()
+
+    def run(self) -> dict[str, RequestState]:
+        """One step: launch a batch, complete what is due; returns the requests touched."""
+        touched: dict[str, RequestState] = {}
+        if self.pipeline_depth > 1:
+            self._pipelined(touched)
+            return touched
+        launched = self.launch()
+        done = [self.inflight] if self.inflight is not None else []
+        self.inflight = None
+        if launched is not None:
+            if launched.overlap:
+                self.inflight = launched
+            else:
+                done.append(launched)
+        for step in done:
+            self.complete(step, touched)
+        return touched
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None or bool(self.pipeline)
+
+    def settle(self) -> None:
+        """Blocks freed while the in-flight step runs may still receive its writes: it
+        must be done before blocks taken now are written from outside its stream."""
+        if self.inflight is not None and self.inflight.sample is not None:
+            self.inflight.sample.wait()
+
+    def drop(self) -> None:
+        """Forgets queued steps (the engine is closing)."""
+        self.inflight = None
+        self.pipeline.clear()
+
+    def housekeeping(self) -> bool:
+        """Between steps, also when idle: ends expired leases and finished host-tier
+        copies. True when blocks were freed."""
+        freed = bool(self.disagg.expire())
+        return self.tiers.housekeeping() or freed
+
+    def launch(self) -> Step | None:
+        """Schedules a batch and queues its step on the device (None: nothing to run)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        now = time.monotonic()
         for seq in batch.seqs:
-            seq.in_flight = True
-    engine.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
-    tables = [engine.kv.block_ids(s) for s in batch.seqs]
-    handoffs = engine.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
-    try:
-        if handoffs:  # layer-by-layer sends need the eager path's per-layer hook
-            engine.runner.model.layer_hook = engine.disagg.layer_hook(handoffs)
-        start = engine.timing.begin()
-        step.sample = engine.runner.launch(
-            batch.seqs, batch.num_new_tokens, tables, force_eager=bool(handoffs)
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        step = Step(batch.seqs)
+        if self.pipeline_depth > 1:
+            for seq in batch.seqs:
+                seq.in_flight = True
+        self.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
+        tables = [self.kv.block_ids(s) for s in batch.seqs]
+        handoffs = self.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
+        # layer-by-layer KV sends: called with each layer's index once it is written
+        hook = self.disagg.layer_hook(handoffs) if handoffs else None
+        try:
+            start = self.timing.begin()
+            step.sample = self.runner.launch(
+                batch.seqs, batch.num_new_tokens, tables, layer_hook=hook
+            )
+            step.timing = self.timing.end(start)
+        except Exception as exc:  # the step is lost; its requests end with the cause
+            logger.exception("model step failed")
+            step.error = f"model step failed: {exc}"
+            return step
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        step.computed = [seq.num_computed_tokens for seq in batch.seqs]
+        step.overlap = (
+            self.async_scheduling
+            and step.sample is not None
+            and not handoffs
+            and all(_may_run_ahead(seq) for seq in step.sample.seqs)
         )
-        step.timing = engine.timing.end(start)
-    except Exception as exc:  # the step is lost; its requests end with the cause
-        logger.exception("model step failed")
-        step.error = f"model step failed: {exc}"
+        if step.overlap:
+            for row, seq in enumerate(step.sample.seqs):
+                seq.num_pending += 1
+                seq.pending_token = (step.sample.tokens, row)
         return step
-    finally:
-        engine.runner.model.layer_hook = None
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
-    step.computed = [seq.num_computed_tokens for seq in batch.seqs]
-    step.overlap = (
-        engine.async_scheduling
-        and step.sample is not None
-        and not handoffs
-        and all(_may_run_ahead(seq) for seq in step.sample.seqs)
-    )
-    if step.overlap:
-        for row, seq in enumerate(step.sample.seqs):
-            seq.num_pending += 1
-            seq.pending_token = (step.sample.tokens, row)
-    return step
 
+    def _pipelined(self, touched: dict[str, RequestState]) -> None:
+        """Pipeline parallel: keep one step in flight per stage, each over other
+        sequences (a sequence's next step needs its last token): launch until the
+        queue is full or nothing more can run, then complete the oldest."""
+        queue = self.pipeline
+        while len(queue) < self.pipeline_depth:
+            step = self.launch()
+            if step is None:
+                break
+            queue.append(step)
+            if step.error is not None:
+                break
+        if queue:
+            self.complete(queue.popleft(), touched)
 
-def pipelined(engine, touched: dict[str, RequestState]) -> None:
-    """Pipeline parallel: keep one step in flight per stage, each over other
-    sequences (a sequence's next step needs its last token): launch until the
-    queue is full or nothing more can run, then complete the oldest."""
-    queue = engine.pipeline
-    while len(queue) < engine.pipeline_depth:
-        step = launch(engine)
-        if step is None:
-            break
-        queue.append(step)
-        if step.error is not None:
-            break
-    if queue:
-        complete(engine, queue.popleft(), touched)
+    def complete(self, step: Step, touched: dict[str, RequestState]) -> None:
+        """Reads a step's tokens back and applies them; requests whose blocks are held
+        for a handoff get their lease."""
+        for seq in step.seqs:
+            seq.in_flight = False
+        for seq in step.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None and any(s is seq for s in state.seqs):  # not a reused id
+                touched[seq.request_id] = state
+        error, result = step.error, None
+        if error is None and step.sample is not None:
+            try:
+                waited = time.perf_counter()
+                step.sample.wait()
+                waited = time.perf_counter() - waited
+                result = step.sample.result()
+                self.timing.done(step.timing, waited)
+            except Exception as exc:  # a device error surfaces when the tokens are read
+                logger.exception("model step failed")
+                error = f"model step failed: {exc}"
+        elif error is None:  # a step that sampled nothing (a prompt's chunk): counted, not timed
+            self.timing.done(None, 0.0)
+        if error is not None:
+            for seq in step.seqs:
+                if not seq.is_finished:
+                    self.scheduler.fail(seq, error)
+            return
+        self.scheduler.commit(step.seqs, step.computed)
+        if result is not None:
+            self._apply(step.sample.seqs, result, step.overlap, touched)
+        self.housekeeping()  # back up what just became free; finish copies that are done
+
+    def _apply(self, sampled: list[Sequence], result, pending: bool, touched) -> None:
+        """Each sampled token through the output processor (append, detokenize, stop
+        checks); the first sequence of a request forks its siblings once it has its
+        prompt; a finished sequence leaves the scheduler, or is held for a handoff."""
+        held = []
+        for i, seq in enumerate(sampled):
+            if pending:
+                seq.resolve_pending()
+            if seq.is_finished:  # finished or aborted while this step ran: its token is moot
+                continue
+            if seq.index == 0:
+                self.scheduler.fork_children(seq)
+            process_token(seq, result.token_ids[i], result.token_logprobs[i],
+                          result.logprobs[i], self.max_model_len)  # fmt: skip
+            if seq.is_finished and self.scheduler.finished(seq):
+                held.append(touched[seq.request_id])
+        for state in held:
+            self.disagg.hold(state, state.hold_seconds)
 
 
 def _may_run_ahead(seq: Sequence) -> bool:
@@ -111,38 +216,3 @@ def _may_run_ahead(seq: Sequence) -> bool:
         and seq.params.n == 1
         and not seq.hold_blocks
     )
-
-
-def complete(engine, step: Step, touched: dict[str, RequestState]) -> None:
-    """Reads a step's tokens back and hands them to the scheduler; requests whose
-    blocks are held for a handoff get their lease."""
-    for seq in step.seqs:
-        seq.in_flight = False
-    for seq in step.seqs:
-        state = engine.requests.get(seq.request_id)
-        if state is not None and any(s is seq for s in state.seqs):  # not a reused id
-            touched[seq.request_id] = state
-    error, result = step.error, None
-    if error is None and step.sample is not None:
-        try:
-            waited = time.perf_counter()
-            step.sample.wait()
-            waited = time.perf_counter() - waited
-            result = step.sample.result()
-            engine.timing.done(step.timing, waited)
-        except Exception as exc:  # a device error surfaces when the tokens are read
-            logger.exception("model step failed")
-            error = f"model step failed: {exc}"
-    elif error is None:  # a step that sampled nothing (a prompt's chunk): counted, not timed
-        engine.timing.done(None, 0.0)
-    if error is not None:
-        for seq in step.seqs:
-            if not seq.is_finished:
-                engine.scheduler.fail(seq, error)
-        return
-    sampled = step.sample.seqs if step.sample is not None else []
-    held = engine.scheduler.update(step.seqs, step.computed, sampled, result, step.overlap)
-    for seq in held:
-        state = touched[seq.request_id]
-        engine.disagg.hold(state, state.hold_seconds)
-    engine.housekeeping()  # back up what just became free; finish copies that are done

@@ -112,7 +112,7 @@ def test_abort_while_a_step_is_queued(folder):
     for _ in range(4):
         for out in engine.step():
             outputs[out.request_id] = out
-    assert engine._inflight is not None  # a step of both requests is queued
+    assert engine.stepper.inflight is not None  # a step of both requests is queued
     aborted = engine.abort_request("a")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     while engine.has_work():
@@ -148,7 +148,7 @@ def test_a_reused_request_id_gets_no_output_of_the_aborted_one(folder):
     engine.add_request("r", random_prompts(512, (30,), seed=44)[0], params)
     for _ in range(3):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.stepper.inflight is not None
     engine.abort_request("r")
     engine.add_request("r", second, params)
     outputs = []

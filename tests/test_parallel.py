@@ -104,19 +104,19 @@ def test_a_pipeline_keeps_a_step_in_flight_per_stage(model_dir, monkeypatch):
     """Two stages and a full queue: nearly every step is launched while the previous
     one is still in the pipeline, over other sequences (how busy each stage then is
     is a speed figure: bench/gpu/parallel.py's pp_throughput section)."""
-    from engine import stepping
+    from engine.stepping import Stepper
 
     launches: list[tuple[int, set, set]] = []  # (steps in flight, their seqs, this step's)
-    real_launch = stepping.launch
+    real_launch = Stepper.launch
 
-    def recording_launch(engine):
-        in_flight = {id(s) for step in engine.pipeline for s in step.seqs}
-        step = real_launch(engine)
+    def recording_launch(stepper):
+        in_flight = {id(s) for step in stepper.pipeline for s in step.seqs}
+        step = real_launch(stepper)
         if step is not None:
-            launches.append((len(engine.pipeline), in_flight, {id(s) for s in step.seqs}))
+            launches.append((len(stepper.pipeline), in_flight, {id(s) for s in step.seqs}))
         return step
 
-    monkeypatch.setattr(stepping, "launch", recording_launch)
+    monkeypatch.setattr(Stepper, "launch", recording_launch)
     llm = LLM(model_dir("tiny-llama"), device="cpu", dtype="float32", pipeline_parallel_size=2)
     try:
         prompts = random_prompts(500, [24] * 16, seed=93)

@@ -46,9 +46,9 @@ class StepTimer:
         self.mode, self.timed, self.rule = "", [], []
         runner.launch = self._launch
 
-    def _launch(self, seqs, num_new, tables, force_eager=False):
-        if not self.mode or sum(num_new) == len(seqs):
-            return self.launch(seqs, num_new, tables, force_eager)
+    def _launch(self, seqs, num_new, tables, force_eager=False, layer_hook=None):
+        if not self.mode or sum(num_new) == len(seqs) or layer_hook is not None:
+            return self.launch(seqs, num_new, tables, force_eager, layer_hook)
         runner = self.runner
         self.rule.append(runner.rows_pay(seqs, num_new))
         rows = self.mode == "rows"

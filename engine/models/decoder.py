@@ -81,8 +81,6 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(shape))
         self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
         self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
-        # Called with a layer's index right after it ran (KV handoff), when set.
-        self.layer_hook = None
         self.experts: ExpertBackend = LOCAL_EXPERTS
         self.micro_batching: MicroBatchPolicy | None = None  # ping-pong micro-batches
         self._fp32_logits = True
@@ -94,15 +92,19 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        layer_hook=None,
     ) -> torch.Tensor:
         """Returns the final hidden states, [T, hidden]. A step with enough tokens
-        runs as micro-batches (`micro_batch.py`) when the policy is set."""
+        runs as micro-batches (`micro_batch.py`) when the policy is set. `layer_hook`,
+        when given, is called with a layer's index once every row has written its KV."""
         parts = None
         if self.micro_batching is not None and not _capturing(input_ids):
             parts = self.micro_batching.split(meta)
         self.experts.begin_step()
         try:
-            return run_micro_batches(self, input_ids, positions, kv_caches, meta, backend, parts)
+            return run_micro_batches(
+                self, input_ids, positions, kv_caches, meta, backend, parts, layer_hook
+            )
         finally:
             self.experts.end_step()
 
