@@ -14,8 +14,9 @@ from concurrent import futures
 
 import grpc
 import httpx
-from test_supervisor import UpProcess, _alive
+from test_supervisor import _alive
 
+from bench.up_process import UpProcess
 from services.common.processes import free_port, listen_socket
 from yinian.cli import build_parser
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_supervisor import UpProcess
 
+from bench.up_process import UpProcess
 from services.common import metrics
 from services.expert_parallel import metrics as _expert_metrics  # noqa: F401 - their families
 

@@ -76,6 +76,9 @@ class MeshSpec:
     # experts there (--expert-parallel) once the scheduler's balancer placed them.
     experts: int = 0
     expert_argv: list[str] = field(default_factory=list)
+    # colocated workers it may grow to (`add_worker`, the planner of `yinian up`): each
+    # gets its NATS login when NATS starts
+    max_workers: int = 0
 
 
 class Mesh:
@@ -180,6 +183,36 @@ class Mesh:
         wait_ready([new], time.monotonic() + timeout)
         return new
 
+    def add_worker(self) -> Child:
+        """Starts one more colocated worker (the lowest free `worker-N`); `wait_worker`
+        waits for it. It registers with the scheduler and is placed on once ready."""
+        taken = {c.name for c in self.children}
+        index = next(i for i in range(len(taken) + 1) if f"worker-{i}" not in taken)
+        name = f"worker-{index}"
+        if self.service_nats_urls and name not in self.service_nats_urls:
+            raise ValueError(f"{name}: beyond the mesh's max_workers ({self.spec.max_workers})")
+        workers = sum(c.name.startswith(("worker-", "prefill-", "decode-")) for c in self.children)
+        return self._spawn(name, "services.decode", self.worker_args(name, "colocated"),
+                           "colocated", self.gpu_env(workers))  # fmt: skip
+
+    def wait_worker(self, child: Child, timeout: float = 300.0) -> None:
+        """Waits until an added worker is ready (a restart then keeps its ports); one
+        that fails to start is stopped and left out."""
+        try:
+            wait_ready([child], time.monotonic() + timeout)
+        except BaseException:
+            if child in self.children:
+                self.remove_worker(child.name)
+            raise
+        _pin_worker(child)
+
+    def remove_worker(self, name: str) -> None:
+        """Stops a worker for good (not restarted): SIGTERM, it drains its streams (those
+        left after the drain timeout move to other workers), then it is gone."""
+        child = self.child(name)
+        self.children.remove(child)
+        stop_processes([child.proc], timeout=self.spec.drain_timeout + 10)
+
     def _start_nats(self) -> Child:
         # -p -1: any free port, which its "Listening ... on HOST:PORT" line names
         command = [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1"]
@@ -223,8 +256,10 @@ class Mesh:
 
     def service_names(self) -> list[str]:
         """The services of this mesh that speak on NATS, by the names it gives them."""
+        spare = range(self.spec.workers, self.spec.max_workers)
         return (["scheduler"] + (["kvstore"] if self.spec.kvstore else [])
                 + [f"{prefix}-{i}" for prefix, _, _, i in self._placed()]
+                + [f"worker-{i}" for i in spare]
                 + [f"expert-{i}" for i in range(self.spec.experts)])  # fmt: skip
 
     def worker_args(self, worker_id: str, role: str) -> list[str]:

@@ -17,6 +17,7 @@ from basis.urls import without_login
 from engine.cli_args import add_engine_args, engine_argv, engine_options
 from services.common.entry import StartupError
 from services.common.tls import TlsSettings
+from yinian.autoscale import add_autoscale_args, planner_of, start_autoscaler
 from yinian.children import StartCancelled
 from yinian.mesh import Mesh, MeshSpec
 from yinian.supervisor import GaveUp, Supervisor
@@ -166,6 +167,7 @@ def add_up_parser(sub) -> None:
         "the mesh stops cleanly and kept, with its path printed, when it fails)",
     )
     add_flags(p, TlsSettings, title="TLS (your own certificates)")
+    add_autoscale_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_up)
 
@@ -193,6 +195,9 @@ def run_up(args) -> int:
     if args.disagg_min_tokens < 0:
         raise ValueError("--disagg-min-tokens must be >= 0")
     check_model_folder(model, engine_options(args))
+    planner = planner_of(args)
+    if planner is not None and not args.min_workers <= workers <= args.max_workers:
+        raise ValueError("--workers must lie between --min-workers and --max-workers")
     if args.api_key and args.api_keys:
         raise ValueError("give --api-key or --api-keys FILE, not both")
     if any(not key or set(key) & set(",: \t") for key in args.api_key):
@@ -244,6 +249,7 @@ def run_up(args) -> int:
         drain_timeout=args.drain_timeout,
         experts=args.experts,
         expert_argv=["--slots", str(args.expert_slots)] if args.expert_slots else [],
+        max_workers=args.max_workers if planner is not None else 0,
     )
     mesh = Mesh(spec)
     if args.tls:
@@ -258,13 +264,13 @@ def run_up(args) -> int:
     print(f"starting the mesh on {model} (logs in {mesh.log_dir}) ...", flush=True)
     code = 1
     try:
-        code = _serve(mesh, args, stop)
+        code = _serve(mesh, args, stop, planner)
         return code
     finally:
         _logs_after(mesh, keep=bool(args.log_dir) or code not in (0, 130))
 
 
-def _serve(mesh: Mesh, args, stop: threading.Event) -> int:
+def _serve(mesh: Mesh, args, stop: threading.Event, planner=None) -> int:
     try:
         mesh.start(timeout=args.start_timeout, cancel=stop)
     except StartCancelled:
@@ -275,6 +281,8 @@ def _serve(mesh: Mesh, args, stop: threading.Event) -> int:
         return 1
     try:
         print(banner(mesh, args), flush=True)
+        if planner is not None:
+            start_autoscaler(mesh, planner, stop, say=lambda line: print(line, flush=True))
         Supervisor(mesh, max_restarts=args.max_restarts).run(stop)
         return 0
     except GaveUp as exc:

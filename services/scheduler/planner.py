@@ -44,6 +44,21 @@ class CapacityProfile:
         if any(b <= a for a, b in zip(self.rates, self.rates[1:])) or self.rates[0] <= 0:
             raise ValueError("a capacity profile's rates must be > 0 and rising")
 
+    @classmethod
+    def from_runs(cls, runs: list[dict]) -> CapacityProfile:
+        """From the runs of a `yinian bench serve --request-rates ...` sweep against one
+        worker (their request_rate, p99_ttft_ms, p99_itl_ms); a run with failed requests,
+        no latencies or an unbounded rate is left out."""
+        rows = sorted(
+            (r["request_rate"], r["p99_ttft_ms"], r["p99_itl_ms"])
+            for r in runs
+            if not r.get("failed") and math.isfinite(r.get("request_rate", math.inf))
+            and r.get("p99_ttft_ms") is not None and r.get("p99_itl_ms") is not None
+        )  # fmt: skip
+        if not rows:
+            raise ValueError("a capacity profile needs runs at finite rates with no failures")
+        return cls(*(tuple(col) for col in zip(*rows)))
+
     def at(self, rate: float) -> tuple[float, float]:
         """(TTFT p99, ITL p99) at `rate` a worker: linear between the profiled rates,
         the first below them; past the last, infinite (never profiled: never chosen)."""
