@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from bench.planner_up import MOCK, SLOS, load, summary
 from bench.up_process import UpProcess
 from services.scheduler.planner import CapacityProfile
-from yinian.autoscale import _read, planner_of, quantile
+from yinian.autoscale import GatewayWindow, _read, planner_of, quantile
 
 PROFILE = Path(__file__).parent.parent / "bench/results/planner_up/profile-sweep.json"
 
@@ -45,6 +47,56 @@ def test_the_gateways_metrics_page_gives_the_planners_figures():
     assert page["finished"] == 7 and page["in_flight"] == 3
     assert page["ttft"] == {0.1: 1.0, 0.5: 3.0, float("inf"): 4.0}
     assert page["itl"] == {0.1: 0.0, float("inf"): 0.0}
+
+
+def _gateway_page(registry):
+    """An HTTP server whose /metrics is `registry`'s page (what a gateway serves)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = generate_latest(registry[0])
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _metrics(finished: int, ttfts: list[float]):
+    registry = CollectorRegistry()
+    Counter("yinian:request_total", "", ["finish_reason"], registry=registry).labels("stop").inc(
+        finished
+    )
+    ttft = Histogram("yinian:time_to_first_token_seconds", "", buckets=(0.1, 1.0),
+                     registry=registry)  # fmt: skip
+    for seconds in ttfts:
+        ttft.observe(seconds)
+    return registry
+
+
+def test_each_interval_counts_only_its_own_requests_and_survives_a_gateway_restart():
+    current = [_metrics(10, [0.05] * 10)]
+    server = _gateway_page(current)
+    now = [0.0]
+    try:
+        window = GatewayWindow([f"http://127.0.0.1:{server.server_port}"], clock=lambda: now[0])
+        current[0] = _metrics(30, [0.05] * 10 + [0.5] * 20)
+        now[0] = 20.0  # twice the planner's interval: its count is halved to one interval
+        stats = window.next(workers=2, interval=10.0)
+        assert (stats.requests, stats.workers, stats.itl_p99_ms) == (10, 2, None)
+        assert stats.ttft_p99_ms == pytest.approx(100 + 900 * 19.8 / 20)  # all in (0.1, 1]
+        current[0] = _metrics(4, [0.05] * 4)  # the gateway restarted: counters from zero
+        now[0] = 30.0
+        stats = window.next(workers=2, interval=10.0)
+        assert stats.requests == 4 and stats.ttft_p99_ms == pytest.approx(100 * 0.99)
+    finally:
+        server.shutdown()
 
 
 def test_a_profile_is_a_bench_sweep_without_its_failed_or_unbounded_runs():

@@ -126,6 +126,8 @@ class GatewayWindow:
         seconds (the planner's unit) if it ran longer or shorter."""
         now, seen = self.clock(), self._scrape()
         last, self.last, elapsed, self.at = self.last, seen, now - self.at, now
+        if seen["finished"] < last["finished"]:  # a gateway restarted: its counters anew
+            last = {"finished": 0.0, "in_flight": 0.0, "ttft": {}, "itl": {}}
         arrived = seen["finished"] - last["finished"] + seen["in_flight"] - last["in_flight"]
 
         def p99_ms(key: str) -> float | None:
@@ -198,6 +200,8 @@ class Autoscaler:
                 self.tick()
             except httpx.HTTPError as exc:  # a gateway restarting: decide next time
                 self.say(f"planner: metrics unreadable this interval ({exc})")
+            except Exception as exc:  # the mesh keeps serving at its size; said, not hidden
+                self.say(f"planner: this interval failed: {exc!r}")
 
     def tick(self) -> None:
         stats = self.window.next(self.workers.serving(), self.planner.config.interval)
