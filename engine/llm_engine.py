@@ -224,7 +224,7 @@ class LLMEngine:
 
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
-        self.stepper.async_scheduling = on and self.stepper.pipeline_depth == 1
+        self.stepper.async_scheduling = on
 
     # -- stepping ------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

@@ -52,10 +52,20 @@ class Stepper:
         self.requests = requests
         # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
         self.pipeline_depth = pipeline_depth
-        self.async_scheduling = async_scheduling and pipeline_depth == 1
+        self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.inflight: Step | None = None  # queued on the device, not yet read back
         self.pipeline: deque[Step] = deque()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether a step is read back during the next one (never with pipeline stages:
+        they keep a step in flight per stage instead)."""
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        self._async_scheduling = on and self.pipeline_depth == 1
 
     def run(self) -> dict[str, RequestState]:
         """One step: launch a batch, complete what is due; returns the requests touched."""

@@ -85,9 +85,14 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return lower
 
 
+def _empty() -> dict:
+    """Requests finished and in flight, and each histogram's buckets (bound -> count)."""
+    return {"finished": 0.0, "in_flight": 0.0, "ttft": {}, "itl": {}}
+
+
 def _read(text: str) -> dict:
     """What the planner needs of one gateway's /metrics page."""
-    out = {"finished": 0.0, "in_flight": 0.0, "ttft": {}, "itl": {}}
+    out = _empty()
     histograms = {"yinian:time_to_first_token_seconds": "ttft",
                   "yinian:inter_token_latency_seconds": "itl"}  # fmt: skip
     for family in text_string_to_metric_families(text):
@@ -111,7 +116,7 @@ class GatewayWindow:
         self.last, self.at = self._scrape(), clock()
 
     def _scrape(self) -> dict:
-        total = {"finished": 0.0, "in_flight": 0.0, "ttft": {}, "itl": {}}
+        total = _empty()
         for url in self.urls:
             page = _read(httpx.get(f"{url}/metrics", timeout=5, verify=self.verify).text)
             for key in ("finished", "in_flight"):
@@ -127,7 +132,7 @@ class GatewayWindow:
         now, seen = self.clock(), self._scrape()
         last, self.last, elapsed, self.at = self.last, seen, now - self.at, now
         if seen["finished"] < last["finished"]:  # a gateway restarted: its counters anew
-            last = {"finished": 0.0, "in_flight": 0.0, "ttft": {}, "itl": {}}
+            last = _empty()
         arrived = seen["finished"] - last["finished"] + seen["in_flight"] - last["in_flight"]
 
         def p99_ms(key: str) -> float | None:
