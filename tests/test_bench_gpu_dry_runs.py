@@ -171,3 +171,36 @@ def test_kv_serving_pools_every_request_of_a_kind_over_its_runs(tmp_path):
     assert out["bare"][1] == {"request_rate": 16.0, "requests": 0, "median_ttft_ms": None,
                               "p99_ttft_ms": None, "p99_tpot_ms": None}  # fmt: skip
     assert out["default_to_bare"][1]["p99_ttft_ms"] is None
+
+
+def test_kv_serving_pool_matches_rows_by_rate_across_files_and_compares_two_codes(tmp_path):
+    """Files of different rate lists pool by rate; --against sets one code's default
+    runs over another's; a sweep of another prompt count is left out on request."""
+    from bench.kv_serving_pool import main as pool_main
+
+    def row(rate: float, ttft: float, prompts: int = 320) -> dict:
+        return {"request_rate": rate, "completed": prompts, "failed": 0,
+                "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p99_tpot_ms": 10.0,
+                "output_throughput": 100 * rate}  # fmt: skip
+
+    def write(name: str, runs: dict) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"ceilings": {}} | {k: {"rows": v} for k, v in runs.items()}))
+        return path
+
+    a = write(
+        "a.json", {"default": [row(8, 50.0), row(16, 60.0)], "bare": [row(8, 40.0), row(16, 60.0)]}
+    )
+    b = write("b.json", {"bare": [row(16, 80.0), row(32, 90.0)], "default_2": [row(16, 70.0)],
+                         "no_writes": [row(16, 1.0)]})  # fmt: skip
+    table = pool_main([str(a), str(b), "--out", str(tmp_path / "pooled.json")])
+    assert [r["request_rate"] for r in table] == [8, 16]  # 32 has no default run
+    assert table[0]["median_ttft_ms"] == 50.0 / 40.0 and table[0]["runs"] == 1
+    assert (
+        table[1]["median_ttft_ms"] == 65.0 / 70.0 and table[1]["median_ttft_ms_spread"] == 80 / 60
+    )
+    assert (table[1]["runs"], table[1]["runs_compared"]) == (2, 2)
+    assert json.loads((tmp_path / "pooled.json").read_text())["pooled"] == table
+    old = write("old.json", {"default": [row(8, 25.0), row(16, 30.0, prompts=640)]})
+    gate = pool_main([str(a), "--against", str(old), "--prompts", "320"])
+    assert [(r["request_rate"], r["median_ttft_ms"]) for r in gate] == [(8, 2.0)]
