@@ -99,6 +99,27 @@ def test_each_interval_counts_only_its_own_requests_and_survives_a_gateway_resta
         server.shutdown()
 
 
+def test_gateways_that_come_and_go_count_from_when_they_are_seen():
+    """A gateway listed afresh each interval (pods): one first seen counts from its
+    first page on, not its history; one gone counts no more."""
+    pages = {"a": [_metrics(10, [])], "b": [_metrics(100, [])]}
+    servers = {name: _gateway_page(page) for name, page in pages.items()}
+    urls = {name: f"http://127.0.0.1:{s.server_port}" for name, s in servers.items()}
+    listed = [[urls["a"]]]
+    try:
+        ticks = iter(range(100))
+        window = GatewayWindow(lambda: listed[0], clock=lambda: float(next(ticks)))  # 1 s apart
+        pages["a"][0], listed[0] = _metrics(15, []), [urls["a"], urls["b"]]
+        assert window.next(workers=1, interval=1.0).requests == 5  # b's 100 are history
+        pages["a"][0], pages["b"][0] = _metrics(20, []), _metrics(107, [])
+        assert window.next(workers=1, interval=1.0).requests == 12
+        pages["b"][0], listed[0] = _metrics(110, []), [urls["b"]]  # a is gone
+        assert window.next(workers=1, interval=1.0).requests == 3
+    finally:
+        for server in servers.values():
+            server.shutdown()
+
+
 def test_a_profile_is_a_bench_sweep_without_its_failed_or_unbounded_runs():
     runs = [
         {"request_rate": 4.0, "p99_ttft_ms": 400.0, "p99_itl_ms": 40.0, "failed": 0},

@@ -233,3 +233,44 @@ def test_gpu_overlays_give_each_worker_and_expert_a_gpu(rendered, monkeypatch, o
         assert replicas["yinian-worker"] == 0
         assert replicas["yinian-prefill"] > 0 and replicas["yinian-decode"] > 0
         assert "yinian-worker" not in of_kind(docs, "HorizontalPodAutoscaler")
+
+
+def test_the_planner_overlay_scales_the_workers_it_may_and_reads_the_gateways_it_finds(rendered):
+    """`yinian planner` in place of the workers' HPA: its arguments are its parser's,
+    the Deployment it scales exists with no HPA beside it, its selector finds the
+    gateway pods on a port they serve, its profile is a mounted ConfigMap, and its
+    service account may read and scale Deployments and list pods."""
+    from yinian.cli import build_parser
+
+    docs = rendered["gpu-planner"]
+    deployments = of_kind(docs, "Deployment")
+    planner = deployments["yinian-planner"]
+    pod = planner["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"][0] == "yinian" and planner["spec"]["replicas"] == 1
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    args = [a.replace("$(POD_NAMESPACE)", "yinian") for a in container["args"][1:]]
+    assert env["POD_NAMESPACE"] == "metadata.namespace" and "$(POD_NAMESPACE)" in container["args"]
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "planner" and deployments[parsed.deployment]
+    assert parsed.deployment not in {
+        h["spec"]["scaleTargetRef"]["name"]
+        for h in of_kind(docs, "HorizontalPodAutoscaler").values()
+    }
+    key, _, value = parsed.gateway_selector.partition("=")
+    gateways = [d for d in deployments.values() if pod_labels(d).get(key) == value]
+    assert [d["metadata"]["name"] for d in gateways] == ["yinian-gateway"]
+    containers = gateways[0]["spec"]["template"]["spec"]["containers"]
+    assert parsed.gateway_port in {p["containerPort"] for c in containers for p in c["ports"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if parsed.planner_profile.startswith(
+        mounts[v["name"]] + "/"))  # fmt: skip
+    assert volume["configMap"]["name"] == "yinian-planner-profile"
+    role = of_kind(docs, "Role")["yinian-planner"]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+    assert {("apps", "deployments", v) for v in ("get", "list", "patch")} <= granted
+    assert ("", "pods", "list") in granted
+    binding = of_kind(docs, "RoleBinding")["yinian-planner"]
+    assert binding["roleRef"]["name"] == "yinian-planner"
+    assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"]} in binding["subjects"]

@@ -55,7 +55,7 @@ def planner_of(args) -> SlaPlanner | None:
     ValueError for flags or a profile that cannot work, before anything starts."""
     if not args.planner_profile:
         return None
-    if args.prefill or args.decode:
+    if getattr(args, "prefill", 0) or getattr(args, "decode", 0):
         raise ValueError("the planner scales colocated workers: leave out --prefill/--decode")
     try:
         runs = json.loads(Path(args.planner_profile).read_text())["runs"]
@@ -109,36 +109,41 @@ def _read(text: str) -> dict:
 
 
 class GatewayWindow:
-    """The gateways' metrics, read once an interval; `next` gives what changed since."""
+    """The gateways' metrics, read once an interval; `next` gives what changed since.
+    `urls` is the gateways' base URLs, or a function that lists them afresh each
+    interval (pods come and go): each gateway counts from its own last page, so one
+    first seen counts from then on, one gone counts no more, and one whose counters
+    went back (a restart) counts from zero."""
 
-    def __init__(self, urls: list[str], verify=True, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, urls: list[str] | Callable[[], list[str]], verify=True,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.urls, self.verify, self.clock = urls, verify, clock
         self.last, self.at = self._scrape(), clock()
 
-    def _scrape(self) -> dict:
-        total = _empty()
-        for url in self.urls:
-            page = _read(httpx.get(f"{url}/metrics", timeout=5, verify=self.verify).text)
-            for key in ("finished", "in_flight"):
-                total[key] += page[key]
-            for key in ("ttft", "itl"):
-                for bound, count in page[key].items():
-                    total[key][bound] = total[key].get(bound, 0.0) + count
-        return total
+    def _scrape(self) -> dict[str, dict]:
+        urls = self.urls() if callable(self.urls) else self.urls
+        return {url: _read(httpx.get(f"{url}/metrics", timeout=5, verify=self.verify).text)
+                for url in urls}  # fmt: skip
 
     def next(self, workers: int, interval: float) -> IntervalStats:
         """The interval since the last call, its request count scaled to `interval`
         seconds (the planner's unit) if it ran longer or shorter."""
         now, seen = self.clock(), self._scrape()
         last, self.last, elapsed, self.at = self.last, seen, now - self.at, now
-        if seen["finished"] < last["finished"]:  # a gateway restarted: its counters anew
-            last = _empty()
-        arrived = seen["finished"] - last["finished"] + seen["in_flight"] - last["in_flight"]
+        arrived, buckets = 0.0, {"ttft": {}, "itl": {}}
+        for url, page in seen.items():
+            before = last.get(url, page)  # first seen: its history is not this interval's
+            if page["finished"] < before["finished"]:  # restarted: its counters anew
+                before = _empty()
+            arrived += page["finished"] - before["finished"] + page["in_flight"]
+            arrived -= before["in_flight"]
+            for key in buckets:
+                for bound, count in page[key].items():
+                    change = count - before[key].get(bound, 0.0)
+                    buckets[key][bound] = buckets[key].get(bound, 0.0) + change
 
         def p99_ms(key: str) -> float | None:
-            bounds = sorted(seen[key])
-            buckets = [(b, seen[key][b] - last[key].get(b, 0.0)) for b in bounds]
-            value = quantile(buckets, 0.99)
+            value = quantile(sorted(buckets[key].items()), 0.99)
             return None if value is None else value * 1e3
 
         requests = round(max(arrived, 0.0) * interval / max(elapsed, 1e-9))

@@ -15,6 +15,7 @@ from basis.flags import DefaultsFormatter
 from bench.loadgen.cli import add_bench_parser
 from engine.cli_args import add_engine_args, engine_options
 from engine.make_model import PRESETS
+from yinian.kube_planner import add_planner_parser
 from yinian.sim.cli import add_sim_parser
 from yinian.up import add_up_parser
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
+    add_planner_parser(sub)
     return parser
 
 
