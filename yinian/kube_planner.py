@@ -22,7 +22,6 @@ the current context of the kubeconfig; `--kube-url` names an API server directly
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import threading
@@ -117,7 +116,7 @@ def add_planner_parser(sub) -> None:
         "planner",
         help="the SLA planner scaling a worker Deployment on Kubernetes",
         description=__doc__,
-        formatter_class=lambda prog: _Formatter(prog),
+        formatter_class=DefaultsFormatter,
     )
     p.add_argument("--gateway", action="append", metavar="URL",
                    help="a gateway's base URL whose /metrics the planner reads; repeat for "
@@ -133,7 +132,3 @@ def add_planner_parser(sub) -> None:
     p.add_argument("--decisions", default="planner.jsonl", help="where each decision is written")
     add_autoscale_args(p)
     p.set_defaults(func=_run)
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
-    pass
