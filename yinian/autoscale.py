@@ -112,8 +112,9 @@ class GatewayWindow:
     """The gateways' metrics, read once an interval; `next` gives what changed since.
     `urls` is the gateways' base URLs, or a function that lists them afresh each
     interval (pods come and go): each gateway counts from its own last page, so one
-    first seen counts from then on, one gone counts no more, and one whose counters
-    went back (a restart) counts from zero."""
+    first seen counts from then on (one that drops out of the list and comes back
+    too: its requests of that interval are not counted), one gone counts no more, and
+    one whose counters went back (a restart) counts from zero."""
 
     def __init__(self, urls: list[str] | Callable[[], list[str]], verify=True,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
