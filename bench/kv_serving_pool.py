@@ -16,48 +16,15 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.gpu.kv_serving_compare import COMPARED, kind_of
-
-KINDS = ("default", "bare")
+from bench.gpu.kv_serving_compare import COMPARED, pool_rates, rows_by_rate
 
 
 def runs_by_rate(paths: list[Path], prompts: int | None = None) -> dict[str, dict]:
     """kind -> rate -> the rows of that kind's runs at that rate, over every file."""
-    out: dict[str, dict] = {kind: {} for kind in KINDS}
+    out: dict[str, dict] = {}
     for path in paths:
-        results = json.loads(path.read_text())
-        for name, run in results.items():
-            kind = kind_of(name)
-            if kind not in KINDS or not isinstance(run, dict):
-                continue
-            for row in run.get("rows", []):
-                if (
-                    prompts is not None
-                    and row.get("completed", 0) + row.get("failed", 0) != prompts
-                ):
-                    continue
-                out[kind].setdefault(row["request_rate"], []).append(row)
+        rows_by_rate(json.loads(path.read_text()), prompts, into=out)
     return out
-
-
-def _mean(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
-
-
-def pool(ours_by_rate: dict, theirs_by_rate: dict) -> list[dict]:
-    """Per rate both have: each figure's mean over `ours` over its mean over `theirs`."""
-    table = []
-    for rate in sorted(set(ours_by_rate) & set(theirs_by_rate)):
-        ours, bare = ours_by_rate[rate], theirs_by_rate[rate]
-        row: dict = {"request_rate": rate, "runs": len(ours), "runs_compared": len(bare)}
-        for key in COMPARED:
-            a, b = _mean(ours, key), _mean(bare, key)
-            row[key] = a / b if a is not None and b else None
-            values = [r[key] for r in bare if r.get(key)]
-            row[f"{key}_spread"] = max(values) / min(values) if len(values) > 1 else None
-        table.append(row)
-    return table
 
 
 def print_pooled(table: list[dict]) -> None:
@@ -81,10 +48,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--against", nargs="+", type=Path)
     args = parser.parse_args(argv)
     ours = runs_by_rate(args.results, args.prompts)
-    if args.against:
-        table = pool(ours["default"], runs_by_rate(args.against, args.prompts)["default"])
-    else:
-        table = pool(ours["default"], ours["bare"])
+    theirs = runs_by_rate(args.against, args.prompts) if args.against else ours
+    table = pool_rates(
+        ours.get("default", {}), theirs.get("default" if args.against else "bare", {})
+    )
     print_pooled(table)
     if args.out:
         body = {"files": [str(p) for p in args.results], "prompts": args.prompts, "pooled": table,

@@ -49,12 +49,12 @@ def test_the_gateways_metrics_page_gives_the_planners_figures():
     assert page["itl"] == {0.1: 0.0, float("inf"): 0.0}
 
 
-def _gateway_page(registry):
-    """An HTTP server whose /metrics is `registry`'s page (what a gateway serves)."""
+def gateway_page(page) -> HTTPServer:
+    """An HTTP server whose /metrics is what `page()` gives (a gateway's page)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            body = generate_latest(registry[0])
+            body = page()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -82,7 +82,7 @@ def _metrics(finished: int, ttfts: list[float]):
 
 def test_each_interval_counts_only_its_own_requests_and_survives_a_gateway_restart():
     current = [_metrics(10, [0.05] * 10)]
-    server = _gateway_page(current)
+    server = gateway_page(lambda: generate_latest(current[0]))
     now = [0.0]
     try:
         window = GatewayWindow([f"http://127.0.0.1:{server.server_port}"], clock=lambda: now[0])
@@ -103,7 +103,8 @@ def test_gateways_that_come_and_go_count_from_when_they_are_seen():
     """A gateway listed afresh each interval (pods): one first seen counts from its
     first page on, not its history; one gone counts no more."""
     pages = {"a": [_metrics(10, [])], "b": [_metrics(100, [])]}
-    servers = {name: _gateway_page(page) for name, page in pages.items()}
+    servers = {name: gateway_page(lambda page=page: generate_latest(page[0]))
+               for name, page in pages.items()}  # fmt: skip
     urls = {name: f"http://127.0.0.1:{s.server_port}" for name, s in servers.items()}
     listed = [[urls["a"]]]
     try:

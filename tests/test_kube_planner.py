@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from test_autoscale import PROFILE, gateway_page
 
-PROFILE = Path(__file__).parent.parent / "bench/results/planner_up/profile-sweep.json"
 ROOT = Path(__file__).parent.parent
 DEPLOYMENT = "/apis/apps/v1/namespaces/yinian/deployments/yinian-worker"
 
@@ -107,21 +107,7 @@ class Gateway:
 
     def __init__(self, rate: float):
         self.rate, self.finished, self.at = rate, 0.0, time.monotonic()
-        gateway = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                body = gateway.page()
-                self.send_response(200)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = gateway_page(self.page)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
     def set_rate(self, rate: float) -> None:

@@ -57,45 +57,63 @@ def ratios(default: dict, bare: dict) -> list[dict]:
     return out
 
 
+def rows_by_rate(runs: dict, prompts: int | None = None,
+                 into: dict | None = None) -> dict[str, dict[float, list[dict]]]:  # fmt: skip
+    """kind -> rate -> the rows of that kind's runs at that rate (`runs`: run name ->
+    its result, as kv_serving writes them; other entries are passed over), added to
+    `into`; `prompts`: only sweeps that sent that many prompts a rate."""
+    out = into if into is not None else {}
+    for name, run in runs.items():
+        for row in run.get("rows", []) if isinstance(run, dict) else []:
+            if prompts is not None and row.get("completed", 0) + row.get("failed", 0) != prompts:
+                continue
+            out.setdefault(kind_of(name), {}).setdefault(row["request_rate"], []).append(row)
+    return out
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def pool_rates(ours: dict, theirs: dict) -> list[dict]:
+    """For each rate both have (rate -> rows): each figure's mean over `ours` over its
+    mean over `theirs`, and `theirs`' own spread (largest over smallest: how far two
+    runs of one mesh differ), with how many runs each had."""
+    table = []
+    for rate in sorted(set(ours) & set(theirs)):
+        mine, other = ours[rate], theirs[rate]
+        row: dict = {"request_rate": rate, "runs": len(mine), "runs_compared": len(other)}
+        for key in COMPARED:
+            a, b = _mean(mine, key), _mean(other, key)
+            row[key] = a / b if a is not None and b else None
+            values = [r[key] for r in other if r.get(key)]
+            row[f"{key}_spread"] = max(values) / min(values) if len(values) > 1 else None
+        table.append(row)
+    return table
+
+
 def pooled(results: dict, names: list[str]) -> dict:
     """Over repeated runs (`--meshes bare,default,bare,default`): for each mesh kind and
     rate, each figure's mean over the kind's runs divided by its mean over the bare runs,
     beside the bare runs' own spread (their largest over their smallest), which says how
     far two runs of one mesh differ."""
-    by_kind: dict[str, list[dict]] = {}
-    for name in names:
-        if "rows" in (results.get(name) or {}):
-            by_kind.setdefault(kind_of(name), []).append(results[name])
-    bares = by_kind.get("bare", [])
-    if len(bares) < 2:
+    runs = {n: results[n] for n in names if "rows" in (results.get(n) or {})}
+    counts: dict[str, int] = {}
+    for name in runs:
+        counts[kind_of(name)] = counts.get(kind_of(name), 0) + 1
+    if counts.get("bare", 0) < 2:
         return {}
-
-    def figures(runs: list[dict], i: int, key: str) -> list[float]:
-        return [r["rows"][i][key] for r in runs if i < len(r["rows"]) and r["rows"][i].get(key)]
-
-    out: dict = {"runs": {kind: len(runs) for kind, runs in by_kind.items()}}
-    rates = [row["request_rate"] for row in bares[0]["rows"]]
-    out["bare_spread"] = [
-        {"request_rate": rate} | {
-            key: max(v) / min(v) if (v := figures(bares, i, key)) else None for key in COMPARED
-        }
-        for i, rate in enumerate(rates)
-    ]  # fmt: skip
-    for kind, runs in by_kind.items():
-        if kind == "bare":
-            continue
-        rows = []
-        for i, rate in enumerate(rates):
-            row = {"request_rate": rate}
-            for key in COMPARED:
-                ours, theirs = figures(runs, i, key), figures(bares, i, key)
-                row[key] = (
-                    (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))
-                    if ours and theirs
-                    else None
-                )
-            rows.append(row)
-        out[kind] = rows
+    by_kind = rows_by_rate(runs)
+    bare = by_kind["bare"]
+    out: dict = {"runs": counts}
+    out["bare_spread"] = [{"request_rate": r["request_rate"]}
+                          | {key: r[f"{key}_spread"] for key in COMPARED}
+                          for r in pool_rates(bare, bare)]  # fmt: skip
+    for kind, rates in by_kind.items():
+        if kind != "bare":
+            out[kind] = [{"request_rate": r["request_rate"]} | {key: r[key] for key in COMPARED}
+                         for r in pool_rates(rates, bare)]  # fmt: skip
     return out
 
 
