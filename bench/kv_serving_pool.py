@@ -5,10 +5,14 @@ over its mean over every bare run that did, beside the bare runs' own spread
 had. Rows are matched by rate, so files of different rate lists pool.
 `--against OLD.json ...` (the serving gate: one code's default mesh against
 another's, run in turn on one machine): the default runs of the files over the
-default runs of OLD's, the spread that of OLD's.
+default runs of OLD's, the spread that of OLD's. `--requests FOLDER`: every
+request of the per-request files there (`bench serve`'s, named after their runs:
+`default.json`, `bare_2.json`, `bare-rate16.json`) pooled by mesh kind and rate
+(bench/gpu/kv_serving_requests.py), for runs of several calls.
 
-Usage: python -m bench.kv_serving_pool RESULT.json ... [--against OLD.json ...]
-       [--out POOLED.json] [--prompts N]  (only sweeps of N prompts a rate)"""
+Usage: python -m bench.kv_serving_pool [RESULT.json ...] [--against OLD.json ...]
+       [--out POOLED.json] [--prompts N]  (only sweeps of N prompts a rate)
+       [--requests FOLDER]"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 from pathlib import Path
 
 from bench.gpu.kv_serving_compare import COMPARED, pool_rates, rows_by_rate
+from bench.gpu.kv_serving_requests import pooled_requests, print_pooled_requests
 
 
 def runs_by_rate(paths: list[Path], prompts: int | None = None) -> dict[str, dict]:
@@ -25,6 +30,18 @@ def runs_by_rate(paths: list[Path], prompts: int | None = None) -> dict[str, dic
     for path in paths:
         rows_by_rate(json.loads(path.read_text()), prompts, into=out)
     return out
+
+
+def request_runs(folder: Path) -> tuple[list[str], list[float]]:
+    """The run names and the rates of the per-request files in a folder (warm-ups left
+    out)."""
+    names, rates = set(), set()
+    for path in folder.glob("*.json"):
+        name = path.stem.split("-rate")[0]
+        if not name.endswith("-warmup"):
+            names.add(name)
+            rates.add(float(json.loads(path.read_text())["request_rate"]))
+    return sorted(names), sorted(rates)
 
 
 def print_pooled(table: list[dict]) -> None:
@@ -42,20 +59,30 @@ def print_pooled(table: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("results", nargs="*", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--prompts", type=int)
     parser.add_argument("--against", nargs="+", type=Path)
+    parser.add_argument("--requests", type=Path, help="a folder of per-request files")
     args = parser.parse_args(argv)
+    if not args.results and not args.requests:
+        parser.error("give result files, --requests FOLDER or both")
     ours = runs_by_rate(args.results, args.prompts)
     theirs = runs_by_rate(args.against, args.prompts) if args.against else ours
     table = pool_rates(
         ours.get("default", {}), theirs.get("default" if args.against else "bare", {})
     )
-    print_pooled(table)
+    if table:
+        print_pooled(table)
+    requests = None
+    if args.requests:
+        requests = pooled_requests(args.requests, *request_runs(args.requests))
+        print_pooled_requests(requests)
     if args.out:
         body = {"files": [str(p) for p in args.results], "prompts": args.prompts, "pooled": table,
                 "against": [str(p) for p in args.against or []]}  # fmt: skip
+        if requests is not None:
+            body |= {"requests_folder": str(args.requests), "requests": requests}
         args.out.write_text(json.dumps(body, indent=2) + "\n")
     return table
 

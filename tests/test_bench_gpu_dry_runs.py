@@ -173,6 +173,30 @@ def test_kv_serving_pools_every_request_of_a_kind_over_its_runs(tmp_path):
     assert out["default_to_bare"][1]["p99_ttft_ms"] is None
 
 
+def test_kv_serving_pool_pools_the_requests_of_runs_from_several_calls(tmp_path):
+    """--requests FOLDER: every request of the per-request files there, by kind (a
+    warm-up's left out), each kind over the bare runs'; no result file needed."""
+    from bench.kv_serving_pool import main as pool_main
+
+    def write(name: str, ttfts: list[float]) -> None:
+        n = len(ttfts)
+        data = {"request_rate": 8.0, "ttfts": ttfts, "e2els": [t + 0.127 for t in ttfts],
+                "output_lens": [128] * n, "errors": [""] * n}  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    write("bare", [0.05] * 99 + [0.2])
+    write("bare_2", [0.05] * 100)
+    write("default", [0.05] * 100)
+    write("bare-warmup", [9.0] * 100)
+    pool_main(["--requests", str(tmp_path), "--out", str(tmp_path / "pooled.out")])
+    pooled = json.loads((tmp_path / "pooled.out").read_text())["requests"]
+    assert pooled["bare"][0]["requests"] == 200 and pooled["default"][0]["requests"] == 100
+    assert pooled["bare"][0]["median_ttft_ms"] == pytest.approx(50.0)
+    assert pooled["default_to_bare"][0]["median_ttft_ms"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit):
+        pool_main([])
+
+
 def test_kv_serving_pool_matches_rows_by_rate_across_files_and_compares_two_codes(tmp_path):
     """Files of different rate lists pool by rate; --against sets one code's default
     runs over another's; a sweep of another prompt count is left out on request."""

@@ -52,7 +52,7 @@ from bench.gpu.kv_serving_compare import (
     ratios,
     run_names,
 )
-from bench.gpu.kv_serving_requests import pooled_requests
+from bench.gpu.kv_serving_requests import pooled_requests, print_pooled_requests
 from bench.gpu.models import preset_folder
 from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
@@ -262,18 +262,6 @@ def main(argv: list[str] | None = None) -> dict:
         print_pooled_requests(section.results["pooled_requests"])
         print_engine_times(section.results, names)
         return section.results
-
-
-def print_pooled_requests(pool: dict) -> None:
-    for kind, rows in pool.items():
-        for row in rows:
-            cells = ", ".join(
-                f"{k} {v:.3f}" if kind.endswith("_to_bare") else f"{k} {v:.1f}"
-                for k, v in row.items()
-                if k not in ("request_rate", "requests") and v is not None
-            )
-            count = f" ({row['requests']} requests)" if "requests" in row else ""
-            print(f"rate {row['request_rate']}: every request of {kind}{count}: {cells}")
 
 
 def print_engine_times(results: dict, names: list[str]) -> None:

@@ -76,3 +76,15 @@ def pooled_requests(out_dir: Path, names: list[str], rates: list[float]) -> dict
                 for ours, theirs in zip(out[kind], bare)
             ]
     return out
+
+
+def print_pooled_requests(pool: dict) -> None:
+    for kind, rows in pool.items():
+        for row in rows:
+            cells = ", ".join(
+                f"{k} {v:.3f}" if kind.endswith("_to_bare") else f"{k} {v:.1f}"
+                for k, v in row.items()
+                if k not in ("request_rate", "requests") and v is not None
+            )
+            count = f" ({row['requests']} requests)" if "requests" in row else ""
+            print(f"rate {row['request_rate']}: every request of {kind}{count}: {cells}")
