@@ -21,7 +21,13 @@ from proto.yinian.v1 import (
     inference_pb2_grpc,
 )
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import list_workers, scheduler_metric, wait_indexed, worker_metric
+from yinian.mesh_probe import (
+    index_sizes,
+    list_workers,
+    scheduler_metric,
+    wait_indexed,
+    worker_metric,
+)
 
 KEY, OTHER_KEY = "sk-test-alpha", "sk-test-beta"
 
@@ -230,10 +236,11 @@ def test_missing_or_wrong_key_is_401(mesh, key):
 def test_tenants_do_not_share_prefix_cache(mesh):
     prompt = list(range(3, 200))
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}
-    indexed = scheduler_metric(mesh, "yinian:kv_index_blocks", 'tier="gpu"')
+    indexed = index_sizes(mesh)
     first = post(mesh, "/v1/completions", body, key=KEY).json()
     # the worker's KV events reach the scheduler asynchronously: its 12 full blocks
-    assert wait_indexed(mesh, indexed + len(prompt) // 16) >= indexed + 12
+    holder = wait_indexed(mesh, len(prompt) // 16, indexed)
+    assert holder, (indexed, index_sizes(mesh))
     again = post(mesh, "/v1/completions", body, key=KEY).json()
     other = post(mesh, "/v1/completions", body, key=OTHER_KEY).json()
     cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
@@ -248,7 +255,7 @@ def test_tenants_do_not_share_prefix_cache(mesh):
             w.kv_cache_usage,
         )
         for w in list_workers(mesh)
-    ] + [worker_metric(mesh, "yinian:prefix_cache_hit_tokens")]
+    ] + [holder, index_sizes(mesh), worker_metric(mesh, "yinian:prefix_cache_hit_tokens")]
     assert cached(other) == 0
 
 

@@ -53,7 +53,7 @@ def test_a_mesh_of_mock_workers_streams_and_reports_its_kv_blocks(model_dir):
                 "ignore_eos": True}  # fmt: skip
         first = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60).json()
         assert first["choices"][0]["text"] == want
-        assert wait_indexed(mesh, 2) >= 2  # the prompt's two full blocks
+        assert wait_indexed(mesh, 2)  # the prompt's two full blocks, on one worker
         again = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60).json()
         assert again["choices"][0]["text"] == want
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32

@@ -68,15 +68,33 @@ def scheduler_metric(mesh, name: str, where: str = "") -> float:
     return scrape(mesh.metrics_endpoints()["scheduler"], name, where)
 
 
-def wait_indexed(mesh, at_least: float, tier: str = "gpu", timeout: float = 15.0) -> float:
-    """Waits until the scheduler's KV index knows at least `at_least` blocks in `tier`
-    (over every holder), i.e. until the workers' KV events have reached it; returns
-    the count (less than asked if the time ran out)."""
+def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
+    """holder -> how many blocks the scheduler's KV index knows it has in `tier`."""
+    text = httpx.get(mesh.metrics_endpoints()["scheduler"], timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("yinian:kv_index_blocks{") and f'tier="{tier}"' in line:
+            out[line.split('holder="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+    return out
+
+
+def wait_indexed(
+    mesh, blocks: float, before: dict[str, float] | None = None, tier: str = "gpu",
+    timeout: float = 15.0,
+) -> str | None:  # fmt: skip
+    """Waits until one holder has `blocks` more in `tier` of the scheduler's KV index
+    than `before` (an earlier `index_sizes`) said, i.e. until the KV events of the
+    request that stored them have reached it; returns that holder (None if the time
+    ran out). One holder's count, so that a late batch of another's is not taken
+    for this request's."""
+    before = before or {}
     deadline = time.monotonic() + timeout
     while True:
-        count = scheduler_metric(mesh, "yinian:kv_index_blocks", f'tier="{tier}"')
-        if count >= at_least or time.monotonic() > deadline:
-            return count
+        for holder, count in index_sizes(mesh, tier).items():
+            if count >= before.get(holder, 0) + blocks:
+                return holder
+        if time.monotonic() > deadline:
+            return None
         time.sleep(0.05)
 
 
