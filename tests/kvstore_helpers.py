@@ -25,6 +25,15 @@ OTHER_FP = Fingerprint("tiny-llama", "bfloat16", 16, "2x16x4x8", 2, 1)
 PAYLOAD_BYTES = 4096
 
 
+# an engine whose host tier writes to the store (small: its blocks leave the device)
+ENGINE = dict(device="cpu", dtype="float32", host_kv_cache_gb=0.05, max_num_seqs=16)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 480) for _ in range(length)] for _ in range(n)]
+
+
 def payload(seed: int, size: int = PAYLOAD_BYTES) -> bytes:
     return random.Random(seed).randbytes(size)
 

@@ -80,17 +80,19 @@ def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
 
 def wait_indexed(
     mesh, blocks: float, before: dict[str, float] | None = None, tier: str = "gpu",
-    timeout: float = 15.0,
+    timeout: float = 15.0, among: set[str] | None = None,
 ) -> str | None:  # fmt: skip
-    """Waits until one holder has `blocks` more in `tier` of the scheduler's KV index
-    than `before` (an earlier `index_sizes`) said, i.e. until the KV events of the
-    request that stored them have reached it; returns that holder (None if the time
-    ran out). One holder's count, so that a late batch of another's is not taken
-    for this request's."""
+    """Waits until one holder (of `among`, if given) has `blocks` more in `tier` of the
+    scheduler's KV index than `before` (an earlier `index_sizes`) said, i.e. until the
+    KV events of the request that stored them have reached it; returns that holder
+    (None if the time ran out). One holder's count, so that a late batch of another's
+    is not taken for this request's."""
     before = before or {}
     deadline = time.monotonic() + timeout
     while True:
         for holder, count in index_sizes(mesh, tier).items():
+            if among is not None and holder not in among:
+                continue
             if count >= before.get(holder, 0) + blocks:
                 return holder
         if time.monotonic() > deadline:

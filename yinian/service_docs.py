@@ -1,7 +1,7 @@
 """Each service's flag table in docs/structures.md, made from its config class
 (so the map never drifts from the flags): `python -m yinian.service_docs`
 rewrites the tables between `<!-- flags:NAME -->` and `<!-- /flags -->`;
-tests/test_docs.py fails when they are out of date."""
+tests/yinian/test_docs.py fails when they are out of date."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPU experiment scripts, each run as `python -m bench.gpu.<script> --out PATH` through
 the one section runner (sections.py), and the modules they share. `--device cpu` is a
-script's dry run on a tiny preset; tests/test_bench_gpu_dry_runs.py runs every one.
+script's dry run on a tiny preset; tests/bench/test_bench_gpu_dry_runs.py runs every one.
 
 Without CUDA, importing this package selects Triton's interpreter (before any kernel
 is defined) with the test suite's fixes for it, as tests/conftest.py does, so a dry

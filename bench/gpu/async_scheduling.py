@@ -8,7 +8,7 @@ stops on a token: a stop makes the async engine run one extra step for that
 sequence, which changes the next batches' composition and so, on a GPU, the
 kernels' split choices and rounding. Prefix caching is off so that the second
 run computes what the first did. Stop tokens, stop strings, penalties, forks
-and aborts under async scheduling are covered by tests/test_async_scheduling.py.
+and aborts under async scheduling are covered by tests/engine/test_async_scheduling.py.
 
 Usage: python -m bench.gpu.async_scheduling --out bench/results/async_scheduling.json
            [--presets tiny-qwen3 llama3-8b] [--requests N]

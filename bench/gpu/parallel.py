@@ -9,7 +9,7 @@ two data-parallel replicas on the same GPUs (with each stage's bubble).
 Usage: python -m bench.gpu.parallel --out bench/results/parallel.json [--skip ...]
            [--device cpu]
 Sections: ceilings, equality, tp_scaling, pp_throughput. With `--device cpu` the
-equality matrix runs on gloo (the slice tests/test_parallel.py runs, and more);
+equality matrix runs on gloo (the slice tests/engine/test_parallel.py runs, and more);
 the speed sections need 2 or 4 GPUs and say so when they are not there.
 """
 

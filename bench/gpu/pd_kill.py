@@ -1,5 +1,5 @@
 """Streams through a running mesh while one of its workers is killed (`pd_nccl`'s kill
-sections, and tests/test_pd_failures.py on the CPU).
+sections, and tests/mesh/test_pd_failures.py on the CPU).
 
 `run_streams` starts one streaming completion per prompt, waits until some
 have produced tokens, SIGKILLs the named child and waits for every stream to

@@ -3,7 +3,7 @@ requests that fit the document (positive) and requests that break it (negative) 
 every operation, each answer checked: no server error (5xx), a status and content
 type the document lists, a body that fits its schema, invalid data refused. A valid
 request must still succeed after the run. The test suite runs a bounded number
-(tests/test_fuzz.py); this script runs the long one on a CPU mesh of its own.
+(tests/mesh/test_fuzz.py); this script runs the long one on a CPU mesh of its own.
 
 Usage: python -m bench.reliability.fuzz [--requests 10000] [--seed 1]
            [--out bench/results/fuzz.json]

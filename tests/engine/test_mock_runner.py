@@ -1,0 +1,73 @@
+"""The mock runner: an engine without weights whose steps take a modelled time,
+alone and as a mesh's worker (the services around it are real)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from prompts import random_prompts
+
+from engine import LLM, SamplingParams
+from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import wait_indexed
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_a_mock_engine_answers_a_prompt_alike_each_time_in_its_modelled_time(model_dir):
+    llm = LLM(model_dir("tiny-llama"), model_runner="mock", mock_step_ms=15)
+    prompts = random_prompts(500, (3, 40), seed=81)
+    start = time.monotonic()
+    first = llm.generate(prompts, GREEDY)
+    assert time.monotonic() - start >= 6 * 0.015  # a prefill and five decodes, at least
+    again = llm.generate(prompts[::-1], GREEDY)[::-1]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert len({tuple(o.outputs[0].token_ids) for o in first}) == 2
+    assert again[1].num_cached_tokens == 32  # the KV cache's prefix hits, as with a model
+    sampled = llm.generate(prompts[:1], SamplingParams(max_tokens=6, seed=3, logprobs=2))[0]
+    assert len(sampled.outputs[0].logprobs) == 6
+
+
+def test_a_mock_engine_refuses_what_it_cannot_model(model_dir):
+    with pytest.raises(ValueError, match="model_runner"):
+        LLM(model_dir("tiny-llama"), model_runner="fake")
+    with pytest.raises(ValueError, match="one rank"):
+        LLM(model_dir("tiny-llama"), model_runner="mock", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="mock_step_ms"):
+        LLM(model_dir("tiny-llama"), model_runner="mock", mock_step_ms=-1)
+
+
+def test_a_mesh_of_mock_workers_streams_and_reports_its_kv_blocks(model_dir):
+    """The mesh serves a mock worker's answers as the engine gives them, and the
+    worker's KV events reach the scheduler, which places a repeated prompt on it."""
+    folder = model_dir("tiny-llama")
+    prompt = random_prompts(500, (40,), seed=82)[0]
+    want = LLM(folder, model_runner="mock").generate([prompt], GREEDY)[0].outputs[0].text
+    spec = MeshSpec(model=str(folder), workers=1, port=0,
+                    engine_argv=["--model-runner", "mock", "--mock-step-ms", "2"])  # fmt: skip
+    with Mesh(spec) as mesh:
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        first = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60).json()
+        assert first["choices"][0]["text"] == want
+        assert wait_indexed(mesh, 2)  # the prompt's two full blocks, on one worker
+        again = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60).json()
+        assert again["choices"][0]["text"] == want
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/mesh_overhead.py's dry run: every stream got all its tokens, alone and
+    through the mesh, and each service's CPU use was read."""
+    from bench.mesh_overhead import main
+
+    out = tmp_path / "overhead.json"
+    results = main(["--concurrency", "1,4", "--rounds", "2", "--step-ms", "2", "--out", str(out)])
+    assert [r["concurrency"] for r in results["by_concurrency"]] == [1, 4]
+    for row in results["by_concurrency"]:
+        assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]
+        assert row["mesh"]["ttft_p50_ms"] > 0 and row["cores"]["gateway"] > 0
+    assert json.loads(out.read_text())["by_concurrency"][1]["concurrency"] == 4
