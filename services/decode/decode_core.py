@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine import AsyncLLM, SamplingParams
 from engine.outputs import RequestOutput
 from services.decode.remote_prefill import HandoffTiming, RemotePrefill
+from services.worker.logprobs import Position, position
 from services.worker.shared_kv import SharedKv
 
 
@@ -19,7 +20,7 @@ from services.worker.shared_kv import SharedKv
 class TokenDelta:
     index: int
     token_ids: list[int]
-    logprobs: list[tuple[int, float, int, list[tuple[int, float, int]]]] | None = None
+    logprobs: list[Position] | None = None
     finish_reason: str | None = None
     stop_reason: str = ""
     prompt_tokens: int = 0
@@ -133,7 +134,7 @@ class DecodeCore:
                 logprobs = None
                 if completion.logprobs is not None:
                     logprobs = [
-                        _position(entry, token, params.logprobs or 0)
+                        position(entry, token, params.logprobs or 0)
                         for entry, token in zip(completion.logprobs, completion.token_ids)
                     ]
                 yield TokenDelta(
@@ -151,16 +152,6 @@ class DecodeCore:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-
-def _position(entry: dict, chosen: int, top_n: int):
-    """(chosen id, its logprob, its rank, [(id, logprob, rank) of the top-N by rank])."""
-    lp = entry[chosen]
-    top = sorted(
-        ((tid, v.logprob, v.rank) for tid, v in entry.items() if v.rank <= top_n),
-        key=lambda t: t[2],
-    )
-    return (chosen, lp.logprob, lp.rank, top)
 
 
 def _record(timing: RequestTiming, out: RequestOutput) -> None:

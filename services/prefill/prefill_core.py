@@ -13,6 +13,7 @@ from engine.disaggregation import Handoff
 from services.kv_transport.base import KvSender, LayerPlan, TransferError
 from services.kv_transport.registry import make_sender
 from services.worker.handoff import PrefillResult
+from services.worker.logprobs import position
 from services.worker.shared_kv import SharedKv
 
 
@@ -154,16 +155,7 @@ class PrefillCore:
             )
         logprob, top = 0.0, []
         if completion.logprobs:
-            entry = completion.logprobs[0]
-            logprob = entry[token].logprob
-            top = sorted(
-                (
-                    (t, v.logprob, v.rank)
-                    for t, v in entry.items()
-                    if v.rank <= (params.logprobs or 0)
-                ),
-                key=lambda x: x[2],
-            )
+            _, logprob, _, top = position(completion.logprobs[0], token, params.logprobs or 0)
         return PrefillResult(
             token,
             logprob,
