@@ -5,14 +5,32 @@ llm = LLM(model="path/to/hf-folder")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
-from basis.sampling_params import SamplingParams
-from basis.structured_output import StructuredOutput
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sequence import Logprob
+from __future__ import annotations
+
+import importlib
+
+# Loaded on first use (PEP 562): `import engine.config` and the command line's help
+# need no torch.
+_WHERE = {
+    "SamplingParams": "basis.sampling_params",
+    "StructuredOutput": "basis.structured_output",
+    "AsyncLLM": "engine.async_llm",
+    "EngineConfig": "engine.config",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "Logprob": "engine.sequence",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLM",

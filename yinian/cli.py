@@ -14,7 +14,7 @@ import sys
 from basis.flags import DefaultsFormatter
 from bench.loadgen.cli import add_bench_parser
 from engine.cli_args import add_engine_args, engine_options
-from engine.make_model import PRESETS
+from engine.presets import PRESETS
 from yinian.kube_planner import add_planner_parser
 from yinian.sim.cli import add_sim_parser
 from yinian.up import add_up_parser

@@ -17,7 +17,7 @@ from pathlib import Path
 from basis.flags import DefaultsFormatter
 from basis.model_config import ModelConfig
 from bench.loadgen.traces import BLOCK_TOKENS, make_trace, read_trace
-from engine.make_model import preset_config
+from engine.presets import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel, profile_names
 from services.scheduler.placement import PlacementPolicy
 from yinian.sim.cluster import PLACEMENTS, Cluster, SimConfig
