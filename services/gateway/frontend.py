@@ -20,7 +20,7 @@ from opentelemetry import trace
 from basis.block_hash import hash_prompt_blocks
 from basis.sampling_params import SamplingParams
 from basis.text_stream import TextStream
-from proto.yinian.v1 import worker_pb2
+from proto.yinian.v1 import common_pb2, worker_pb2
 from services.common import metrics
 from services.common.convert import finish_from_proto, params_to_proto
 from services.common.errors import DeadlineExceeded, WorkerUnavailable
@@ -40,6 +40,13 @@ class Prepared:
     tenant: str = ""
     priority: int = 0
     public_tokens: int = 0  # leading tokens of an operator's public prefix
+    # `params` as every worker gets them (encoded once, when the request is checked)
+    wire_params: common_pb2.SamplingParams | None = None
+
+
+def worker_params(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The sampling parameters a worker gets: the gateway finds stop strings itself."""
+    return params_to_proto(params.clone(stop=[], include_stop_str_in_output=False))
 
 
 @dataclass(slots=True)
@@ -112,7 +119,7 @@ class Frontend:
         params = prep.params
         stats.prompt_tokens = len(prep.prompt_ids)
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
-        worker_params = params_to_proto(params.clone(stop=[], include_stop_str_in_output=False))
+        wire = prep.wire_params if prep.wire_params is not None else worker_params(params)
         hashes = hash_prompt_blocks(
             prep.prompt_ids, self.block_size, prep.tenant, prep.public_tokens
         )
@@ -132,7 +139,7 @@ class Frontend:
             request = worker_pb2.GenerateRequest(
                 request_id=prep.request_id,
                 prompt_token_ids=prep.prompt_ids,
-                params=worker_params,
+                params=wire,
                 tenant=prep.tenant,
                 public_tokens=prep.public_tokens,
                 priority=prep.priority,

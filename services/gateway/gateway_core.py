@@ -16,10 +16,16 @@ from basis.model_config import ModelConfig
 from basis.sampling_params import SamplingParams
 from basis.tokenizer import Tokenizer
 from services.common import metrics
-from services.common.convert import params_to_proto
 from services.common.errors import InvalidRequest, NotFound
 from services.gateway.admission import Admission
-from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
+from services.gateway.frontend import (
+    ChoiceEvent,
+    Frontend,
+    Prepared,
+    RunStats,
+    TokenInfo,
+    worker_params,
+)
 from services.gateway.protocol import check_bounds, check_context
 from services.gateway.public_prefixes import load_public_prefixes, public_tokens
 from services.gateway.tool_calls import format_for
@@ -145,8 +151,8 @@ class GatewayCore:
         max_tokens = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         params: SamplingParams = make_params(max_tokens)
         check_bounds(params)
-        try:  # every value must fit the wire's types (int64 seeds, int32 ids)
-            params_to_proto(params)
+        try:  # every value must fit the wire's types (int64 seeds, int32 ids): encoded once
+            wire = worker_params(params)
         except (ValueError, OverflowError, TypeError) as exc:
             raise InvalidRequest(f"a sampling parameter is out of range: {exc}") from None
         if not INT32_MIN <= priority <= INT32_MAX:
@@ -162,6 +168,7 @@ class GatewayCore:
             tenant,
             priority,
             public_tokens(prompt_ids, self.public_prefixes),
+            wire,
         )
 
     async def events(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
