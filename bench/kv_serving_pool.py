@@ -38,9 +38,10 @@ def request_runs(folder: Path) -> tuple[list[str], list[float]]:
     names, rates = set(), set()
     for path in folder.glob("*.json"):
         name = path.stem.split("-rate")[0]
-        if not name.endswith("-warmup"):
+        rate = json.loads(path.read_text()).get("request_rate")
+        if not name.endswith("-warmup") and rate is not None:  # (not a per-request file)
             names.add(name)
-            rates.add(float(json.loads(path.read_text())["request_rate"]))
+            rates.add(float(rate))
     return sorted(names), sorted(rates)
 
 

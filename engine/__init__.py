@@ -8,6 +8,7 @@ outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 # Loaded on first use (PEP 562): `import engine.config` and the command line's help
 # need no torch.
@@ -32,14 +33,20 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = [
-    "LLM",
-    "AsyncLLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParams",
-    "StructuredOutput",
-]
+__all__ = sorted(_WHERE)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from basis.sampling_params import SamplingParams as SamplingParams
+    from basis.structured_output import StructuredOutput as StructuredOutput
+    from engine.async_llm import AsyncLLM as AsyncLLM
+    from engine.config import EngineConfig as EngineConfig
+    from engine.llm import LLM as LLM
+    from engine.llm_engine import LLMEngine as LLMEngine
+    from engine.outputs import CompletionOutput as CompletionOutput
+    from engine.outputs import RequestOutput as RequestOutput
+    from engine.sequence import Logprob as Logprob

@@ -136,7 +136,8 @@ class Mesh:
         # with logins, a service has its own or none (a gateway speaks no NATS: it must
         # not hold the owner's login)
         nats_url = self.service_nats_urls.get(name) if self.service_nats_urls else self.nats_url
-        if nats_url is None and module != "services.gateway" and "--nats-url" not in argv:
+        given = any(a == "--nats-url" or a.startswith("--nats-url=") for a in argv)
+        if nats_url is None and module != "services.gateway" and not given:
             # it would talk to the default NATS URL: another NATS, or none
             raise ValueError(f"{name} has no NATS login in this mesh (see MeshSpec.max_workers)")
         if nats_url:  # with its password: by environment, never on a command line

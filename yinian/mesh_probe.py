@@ -79,7 +79,7 @@ def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
 
 
 def wait_indexed(
-    mesh, blocks: float, before: dict[str, float] | None = None, tier: str = "gpu",
+    mesh, blocks: float, before: dict[str, float] | None = None, *, tier: str = "gpu",
     timeout: float = 15.0, among: set[str] | None = None,
 ) -> str | None:  # fmt: skip
     """Waits until one holder (of `among`, if given) has `blocks` more in `tier` of the

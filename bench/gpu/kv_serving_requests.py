@@ -58,8 +58,9 @@ def pooled_requests(out_dir: Path, names: list[str], rates: list[float]) -> dict
             ttfts, tpots = [], []
             for name in runs:
                 path = request_file(out_dir, name, rate)
-                if path.exists():
-                    a, b = request_figures(json.loads(path.read_text()))
+                data = json.loads(path.read_text()) if path.exists() else {}
+                if data and float(data.get("request_rate", rate)) == rate:
+                    a, b = request_figures(data)
                     ttfts += a
                     tpots += b
             rows.append({"request_rate": rate} | _figures(ttfts, tpots))

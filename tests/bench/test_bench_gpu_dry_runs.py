@@ -179,9 +179,9 @@ def test_kv_serving_pool_pools_the_requests_of_runs_from_several_calls(tmp_path)
     warm-up's left out), each kind over the bare runs'; no result file needed."""
     from bench.kv_serving_pool import main as pool_main
 
-    def write(name: str, ttfts: list[float]) -> None:
+    def write(name: str, ttfts: list[float], rate: float = 8.0) -> None:
         n = len(ttfts)
-        data = {"request_rate": 8.0, "ttfts": ttfts, "e2els": [t + 0.127 for t in ttfts],
+        data = {"request_rate": rate, "ttfts": ttfts, "e2els": [t + 0.127 for t in ttfts],
                 "output_lens": [128] * n, "errors": [""] * n}  # fmt: skip
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
 
@@ -189,11 +189,15 @@ def test_kv_serving_pool_pools_the_requests_of_runs_from_several_calls(tmp_path)
     write("bare_2", [0.05] * 100)
     write("default", [0.05] * 100)
     write("bare-warmup", [9.0] * 100)
+    write("bare_3-rate16", [0.5] * 100, rate=16.0)  # a sweep's file: its own rate only
     pool_main(["--requests", str(tmp_path), "--out", str(tmp_path / "pooled.out")])
     pooled = json.loads((tmp_path / "pooled.out").read_text())["requests"]
     assert pooled["bare"][0]["requests"] == 200 and pooled["default"][0]["requests"] == 100
     assert pooled["bare"][0]["median_ttft_ms"] == pytest.approx(50.0)
     assert pooled["default_to_bare"][0]["median_ttft_ms"] == pytest.approx(1.0)
+    # at 16 req/s only bare_3 served: the one-rate files of 8 req/s are not counted there
+    assert pooled["bare"][1]["requests"] == 100 and pooled["default"][1]["requests"] == 0
+    assert pooled["bare"][1]["median_ttft_ms"] == pytest.approx(500.0)
     with pytest.raises(SystemExit):
         pool_main([])
 

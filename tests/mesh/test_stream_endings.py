@@ -58,8 +58,8 @@ def settle(mesh) -> None:
     placed."""
     called, deadline = time.monotonic(), time.monotonic() + 10
     while time.monotonic() < deadline:
+        since = time.monotonic() - called  # before the call: a report older than `called` fails
         workers = list_workers(mesh)
-        since = time.monotonic() - called
         if len(workers) == 2 and all(w.seconds_since_report < since for w in workers):
             return
         time.sleep(0.05)

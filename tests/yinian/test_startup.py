@@ -14,6 +14,7 @@ from concurrent import futures
 
 import grpc
 import httpx
+import pytest
 from processes import alive
 
 from bench.up_process import UpProcess
@@ -149,3 +150,27 @@ def test_ctrl_c_during_start_up_stops_at_once_and_leaves_nothing(model_dir):
     assert code == 130 and took < 5, (took, up.output)
     time.sleep(0.3)
     assert [pid for pid in started if alive(pid)] == []
+
+
+def test_the_command_line_starts_without_torch():
+    """`yinian --help`, `yinian up` and `yinian planner` need no torch before they do
+    work that needs it: loading it took about a second of every start."""
+    code = "import sys, yinian.cli; print(sorted(m for m in sys.modules if m[:5] == 'torch'))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+    helped = subprocess.run([sys.executable, "-m", "yinian", "--help"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert helped.returncode == 0 and "make-model" in helped.stdout
+
+
+def test_a_service_without_a_nats_login_is_refused_before_it_starts(tmp_path):
+    """In a mesh whose NATS has logins, a service with none would talk to the default
+    NATS URL (another NATS, or none): refused, naming it, and nothing is started."""
+    from yinian.mesh import Mesh, MeshSpec
+
+    mesh = Mesh(MeshSpec(model="unused", log_dir=tmp_path))
+    mesh.nats_url = "nats://owner:pw@127.0.0.1:1"
+    mesh.service_nats_urls = {"scheduler": "nats://scheduler:pw@127.0.0.1:1"}
+    with pytest.raises(ValueError, match="worker-7 has no NATS login"):
+        mesh._spawn("worker-7", "services.decode", ["--model", "unused"])
+    assert mesh.children == [] and not (tmp_path / "worker-7.log").exists()
