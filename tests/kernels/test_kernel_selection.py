@@ -305,7 +305,7 @@ def test_a_revision_makes_choices_on_disk_again(fresh_cache):
 def test_extend_attention_variants_are_checked_against_the_pointer_kernel(fresh_cache, caplog):
     """The real extend kernels under the interpreter: the TMA variant's output passes the
     check against the pointer kernel's; a fast kernel with a wrong scale is dropped."""
-    from test_kernels_attention import CAPABILITY, MIXED, SCALE, make_batch
+    from attention_batches import CAPABILITY, MIXED, SCALE, make_batch
 
     from kernels.extend_attention import OUTPUT_TOLERANCE, flash_extend, tma_extend
 

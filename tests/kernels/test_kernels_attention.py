@@ -7,49 +7,17 @@ use scattered block ids; lengths hit 1, page boundaries and odd values.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from attention_batches import CAPABILITY, DEVICE, MIXED, SCALE, make_batch
 
-from kernels.attention_reference import gather_kv, paged_attention
+from kernels.attention_reference import paged_attention
 from kernels.decode_attention import choose_num_splits, decode_attention, split_kv_decode
 from kernels.extend_attention import EXTEND_CONFIGS, extend_attention, flash_extend, tma_extend
 from kernels.extend_attention import SELECTOR as EXTEND_SELECTOR
 from kernels.extend_attention_tma import TMA_CONFIGS, flash_extend_tma, tma_inputs_ok
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-SCALE = 0.37
-
-
-def make_batch(query_lens, seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=0):
-    """Random q and paged cache; k, v are the new tokens' rows, read back from the cache."""
-    gen = torch.Generator().manual_seed(seed)
-    pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = 2 * sum(pages) + 3
-    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen)
-    block_ids = torch.randperm(num_blocks, generator=gen)  # scattered, not consecutive
-    block_tables = torch.zeros(len(seq_lens), max(pages) + 2, dtype=torch.int32)
-    used = 0
-    for i, count in enumerate(pages):
-        block_tables[i, :count] = block_ids[used : used + count]
-        used += count
-    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=gen)
-    ks, vs = [], []
-    for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
-        k, v = gather_kv(cache, block_tables[i], length)
-        ks.append(k[length - n :])
-        vs.append(v[length - n :])
-    starts = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
-
-    def dev(x):
-        return x.to(DEVICE, dtype if x.is_floating_point() else x.dtype)
-
-    return dict(
-        q=dev(q), k=dev(torch.cat(ks)), v=dev(torch.cat(vs)), cache=dev(cache),
-        block_tables=dev(block_tables), query_start_loc=dev(starts),
-        seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-    )  # fmt: skip
 
 
 def reference(b, query_lens, seq_lens):
@@ -80,10 +48,6 @@ def run_extend(b, query_lens, **kwargs):
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(2, 1, 32), (2, 4, 16), (1, 8, 32)]  # (kv_heads, group, head_dim)
-
-# A decode row, a fresh prompt, a chunk after a cached prefix, a chunk ending on a page
-# boundary after a prefix ending on one (16 + 16), and a one-token prompt.
-MIXED = ([1, 37, 5, 16, 1], [20, 37, 21, 32, 1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -248,7 +212,6 @@ def test_extend_rejects_bad_inputs(case):
 # descriptor boxes as masked loads: past a descriptor's rows it gives zeros, inside them
 # the real neighbouring rows, as the TMA engine does. On a GPU it runs for real where the
 # hardware has TMA.
-CAPABILITY = torch.cuda.get_device_capability() if DEVICE == "cuda" else None
 needs_tma = pytest.mark.skipif(CAPABILITY is not None and CAPABILITY < (9, 0),
                                reason="TMA needs sm_90 or newer")  # fmt: skip
 
