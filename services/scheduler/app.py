@@ -155,9 +155,7 @@ async def run(config: SchedulerConfig) -> None:
             registry.touch_all()
         for gone in registry.expire():
             index.forget(gone.worker_id)
-            logger.warning(
-                "dropped %s: no heartbeat for %.1f s", gone.worker_id, config.heartbeat_timeout
-            )
+            logger.warning("dropped %s: %s", gone.worker_id, registry.why_dropped(gone))
         for role in ROLES:
             metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))
         shown = export_index(index, shown)

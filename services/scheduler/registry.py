@@ -32,6 +32,7 @@ class WorkerState:
     waiting: int = 0
     kv_usage: float = 0.0
     pending: int = 0  # placed since the last load report, not yet in its counts
+    reported: bool = False  # a load report came since it registered
     seq: int = 0  # its place in the registry's order (ties in placement go to the first)
 
     @property
@@ -80,6 +81,7 @@ class Registry:
         if state is None:
             return False  # not registered (yet, or any more): ignore
         state.last_seen = self.clock()
+        state.reported = True
         state.running, state.waiting, state.kv_usage = running, waiting, kv_usage
         state.pending = 0
         self._changed(worker_id)
@@ -102,6 +104,13 @@ class Registry:
             for w in self.workers.values()
             if w.last_seen >= since and (role is None or w.role == role)
         ]
+
+    def why_dropped(self, state: WorkerState) -> str:
+        """The log's reason for dropping a worker that missed its heartbeats."""
+        why = f"no heartbeat for {self.heartbeat_timeout:.1f} s"
+        if not state.reported:  # its reports go elsewhere, or it hangs from the start
+            why += " (none since it registered: does it report on this scheduler's NATS?)"
+        return why
 
     def expire(self) -> list[WorkerState]:
         """Drops workers that missed their heartbeats; returns them."""

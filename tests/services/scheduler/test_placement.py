@@ -291,3 +291,17 @@ def test_the_open_workers_find_a_groups_least_loaded_in_load_order_or_say_to_rea
     assert view.least_loaded(mask, limit=3) is None  # 30 less loaded come first
     registry.placed(registry.workers[busy[0]])  # a change: its old entry is stale
     assert view.least_loaded(mask) == min(view.loads[w] for w in busy)
+
+
+def test_a_worker_dropped_without_ever_reporting_is_named_so():
+    """A worker whose load reports never arrive (another NATS, a wrong URL) is dropped
+    like any silent one, and the log says it never reported and where to look."""
+    now = [0.0]
+    registry = Registry(heartbeat_timeout=2.0, clock=lambda: now[0])
+    worker(registry, "talks")  # registered and reported once
+    registry.register(WorkerState("mute", "mute:1", "colocated", block_size=16, max_num_seqs=8))
+    now[0] = 2.5
+    reasons = {w.worker_id: registry.why_dropped(w) for w in registry.expire()}
+    assert reasons["talks"] == "no heartbeat for 2.0 s"
+    assert reasons["mute"].startswith("no heartbeat for 2.0 s (none since it registered")
+    assert "NATS" in reasons["mute"]
