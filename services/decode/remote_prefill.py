@@ -18,8 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine import AsyncLLM, Logprob, SamplingParams
-from services.kv_transport.base import KvReceiver
-from services.kv_transport.registry import choose_transport, make_receiver
+from services.kv_transport.registry import PerTransport, choose_transport, make_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +37,6 @@ class HandoffTiming:
     fell_back: str = ""  # why the request was prefilled here after all
 
 
-class ReceiverSet:
-    """One receiver per transport, made on first use over the engine's KV cache."""
-
-    def __init__(self, kv_caches, host: str):
-        self.kv_caches, self.host = kv_caches, host
-        self._receivers: dict[str, KvReceiver] = {}
-        self._lock = asyncio.Lock()
-
-    async def get(self, name: str) -> KvReceiver:
-        async with self._lock:
-            if name not in self._receivers:
-                receiver = make_receiver(name, self.kv_caches, self.host)
-                await receiver.start()
-                self._receivers[name] = receiver
-            return self._receivers[name]
-
-    async def close(self) -> None:
-        for receiver in self._receivers.values():
-            await receiver.close()
-
-
 class RemotePrefill:
     def __init__(
         self,
@@ -75,7 +53,8 @@ class RemotePrefill:
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.timeout = timeout
-        self.receivers = ReceiverSet(engine.kv_caches, endpoint["host"])
+        kv_caches, host = engine.kv_caches, endpoint["host"]
+        self.receivers = PerTransport(lambda name: make_receiver(name, kv_caches, host))
         self.num_layers = engine.facts.num_layers
 
     async def run(
@@ -111,7 +90,7 @@ class RemotePrefill:
             remote = await self.client.info(prefill_address)
             timing.prefill_worker_id = remote["worker_id"]
             timing.transport = choose_transport(self.endpoint, remote)
-            receiver = await self.receivers.get(timing.transport)
+            receiver = await self.receivers.started(timing.transport)
             receiver.expect(transfer_id, reservation.dst_block_ids, self.num_layers)
             asked = time.monotonic()
             result = await self.client.prefill(

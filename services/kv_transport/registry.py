@@ -14,6 +14,7 @@ Receivers need `await receiver.start()` before `target()` (tcp and nccl listen).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import torch
 
@@ -69,3 +70,31 @@ def make_sender(name: str, device, loop: asyncio.AbstractEventLoop) -> KvSender:
 
         return CudaIpcSender(device)
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORTS)}")
+
+
+class PerTransport:
+    """A worker's endpoints of one kind, one per transport name, made by `make(name)` on
+    first use and closed together: its senders (`get`) or its receivers (`started`:
+    a receiver listens before its target is told)."""
+
+    def __init__(self, make: Callable[[str], KvSender | KvReceiver]):
+        self._make = make
+        self._made: dict[str, KvSender | KvReceiver] = {}
+        self._lock = asyncio.Lock()
+
+    def get(self, name: str):
+        if name not in self._made:
+            self._made[name] = self._make(name)
+        return self._made[name]
+
+    async def started(self, name: str):
+        async with self._lock:
+            if name not in self._made:
+                endpoint = self._make(name)
+                await endpoint.start()
+                self._made[name] = endpoint
+            return self._made[name]
+
+    async def close(self) -> None:
+        for endpoint in self._made.values():
+            await endpoint.close()

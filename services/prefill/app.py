@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 
 from proto.yinian.v1 import worker_pb2_grpc
+from services.kv_transport.registry import PerTransport, make_sender
 from services.prefill.config import PrefillConfig
-from services.prefill.prefill_core import PrefillCore, SenderSet
+from services.prefill.prefill_core import PrefillCore
 from services.prefill.servicer import PrefillServicer
 from services.worker.host import WorkerHost
 
 
 async def run(config: PrefillConfig) -> None:
     host = WorkerHost(config, "yinian-prefill")
-    senders = SenderSet(host.engine.facts.device, asyncio.get_running_loop())
+    device, loop = host.engine.facts.device, asyncio.get_running_loop()
+    senders = PerTransport(lambda name: make_sender(name, device, loop))
     host.on_close(senders.close)
     core = PrefillCore(host.engine, senders.get, host.shared)
     host.serve(

@@ -4,14 +4,12 @@ sample the first token, and hold the blocks under a lease."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
 from engine import AsyncLLM, SamplingParams
 from engine.disaggregation import Handoff
 from services.kv_transport.base import KvSender, LayerPlan, TransferError
-from services.kv_transport.registry import make_sender
 from services.worker.handoff import PrefillResult
 from services.worker.logprobs import position
 from services.worker.shared_kv import SharedKv
@@ -56,24 +54,6 @@ class TransportHandoff(Handoff):
                 self.sender.send_layer(self.request_id, layer, cache_layer)
             except Exception as exc:
                 self.error = f"transport {self.sender.name}: {exc!r}"
-
-
-class SenderSet:
-    """One KV sender per transport, made on first use."""
-
-    def __init__(self, device, loop: asyncio.AbstractEventLoop):
-        self.device = device
-        self.loop = loop
-        self._senders: dict[str, KvSender] = {}
-
-    def get(self, name: str) -> KvSender:
-        if name not in self._senders:
-            self._senders[name] = make_sender(name, self.device, self.loop)
-        return self._senders[name]
-
-    async def close(self) -> None:
-        for sender in self._senders.values():
-            await sender.close()
 
 
 class PrefillCore:
