@@ -40,13 +40,13 @@ class Prepared:
     tenant: str = ""
     priority: int = 0
     public_tokens: int = 0  # leading tokens of an operator's public prefix
-    # `params` as every worker gets them (encoded once, when the request is checked)
-    wire_params: common_pb2.SamplingParams | None = None
+    # `params` as every worker gets them (the gateway finds stop strings itself), encoded
+    # once: a value that does not fit the wire's types raises here
+    wire_params: common_pb2.SamplingParams = field(init=False)
 
-
-def worker_params(params: SamplingParams) -> common_pb2.SamplingParams:
-    """The sampling parameters a worker gets: the gateway finds stop strings itself."""
-    return params_to_proto(params.clone(stop=[], include_stop_str_in_output=False))
+    def __post_init__(self) -> None:
+        worker = self.params.clone(stop=[], include_stop_str_in_output=False)
+        self.wire_params = params_to_proto(worker)
 
 
 @dataclass(slots=True)
@@ -119,7 +119,6 @@ class Frontend:
         params = prep.params
         stats.prompt_tokens = len(prep.prompt_ids)
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
-        wire = prep.wire_params if prep.wire_params is not None else worker_params(params)
         hashes = hash_prompt_blocks(
             prep.prompt_ids, self.block_size, prep.tenant, prep.public_tokens
         )
@@ -139,7 +138,7 @@ class Frontend:
             request = worker_pb2.GenerateRequest(
                 request_id=prep.request_id,
                 prompt_token_ids=prep.prompt_ids,
-                params=wire,
+                params=prep.wire_params,
                 tenant=prep.tenant,
                 public_tokens=prep.public_tokens,
                 priority=prep.priority,

@@ -18,14 +18,7 @@ from basis.tokenizer import Tokenizer
 from services.common import metrics
 from services.common.errors import InvalidRequest, NotFound
 from services.gateway.admission import Admission
-from services.gateway.frontend import (
-    ChoiceEvent,
-    Frontend,
-    Prepared,
-    RunStats,
-    TokenInfo,
-    worker_params,
-)
+from services.gateway.frontend import ChoiceEvent, Frontend, Prepared, RunStats, TokenInfo
 from services.gateway.protocol import check_bounds, check_context
 from services.gateway.public_prefixes import load_public_prefixes, public_tokens
 from services.gateway.tool_calls import format_for
@@ -151,8 +144,15 @@ class GatewayCore:
         max_tokens = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         params: SamplingParams = make_params(max_tokens)
         check_bounds(params)
-        try:  # every value must fit the wire's types (int64 seeds, int32 ids): encoded once
-            wire = worker_params(params)
+        try:  # every value must fit the wire's types (int64 seeds, int32 ids)
+            prep = Prepared(
+                f"{prefix}-{uuid.uuid4().hex}",
+                prompt_ids,
+                params,
+                tenant,
+                priority,
+                public_tokens(prompt_ids, self.public_prefixes),
+            )
         except (ValueError, OverflowError, TypeError) as exc:
             raise InvalidRequest(f"a sampling parameter is out of range: {exc}") from None
         if not INT32_MIN <= priority <= INT32_MAX:
@@ -161,15 +161,7 @@ class GatewayCore:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none")
-        return Prepared(
-            f"{prefix}-{uuid.uuid4().hex}",
-            prompt_ids,
-            params,
-            tenant,
-            priority,
-            public_tokens(prompt_ids, self.public_prefixes),
-            wire,
-        )
+        return prep
 
     async def events(self, prep: Prepared, stats: RunStats) -> AsyncIterator[ChoiceEvent]:
         """Runs the request, recording TTFT, ITL, E2E and token counters."""
