@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.tls import sync_channel
@@ -71,11 +72,13 @@ def scheduler_metric(mesh, name: str, where: str = "") -> float:
 def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
     """holder -> how many blocks the scheduler's KV index knows it has in `tier`."""
     text = httpx.get(mesh.metrics_endpoints()["scheduler"], timeout=5).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("yinian:kv_index_blocks{") and f'tier="{tier}"' in line:
-            out[line.split('holder="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
-    return out
+    return {
+        sample.labels["holder"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "yinian:kv_index_blocks"
+        for sample in family.samples
+        if sample.labels.get("tier") == tier
+    }
 
 
 def wait_indexed(
