@@ -5,7 +5,9 @@ request's outputs arrive on an asyncio queue.
         ...  # cumulative RequestOutput (or only what is new, delta=True);
              # the last one has finished=True
 
-Validation happens in the caller, before anything is queued. Leaving the
+Services build an EngineRequest and call `stream` (or `add` and
+`reserve_remote` for a handoff). Validation happens in the caller, before
+anything is queued, once: `validate` returns the request marked. Leaving the
 `async for` early (a client that went away) aborts the request.
 """
 
@@ -22,6 +24,7 @@ from engine.engine_thread import EngineThread
 from engine.facts import EngineFacts
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request import EngineRequest
 
 
 class AsyncLLM:
@@ -39,43 +42,51 @@ class AsyncLLM:
         return cls(LLMEngine(model, EngineConfig.from_options(**options)))
 
     # -- public API ----------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        **fields,
+    ) -> EngineRequest:
+        """The request for a prompt (text is tokenized here; `fields`: priority,
+        namespace, public_tokens); not validated yet."""
+        return self._engine.make_request(request_id, prompt, params, **fields)
+
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """The request marked valid (the engine does not check it again), or a
+        ValueError; runs in the caller's thread and changes nothing."""
+        return self._engine.validate(request)
+
     async def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
         *,
-        priority: int = 0,
-        namespace: str = "",
-        public_tokens: int = 0,
         delta: bool = False,
-        validated: bool = False,
+        **fields,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the outputs of a prompt (`stream` of `make_request`)."""
+        request = self.make_request(request_id, prompt, params, **fields)
+        async for out in self.stream(request, delta=delta):
+            yield out
+
+    async def stream(
+        self, request: EngineRequest, *, delta: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs. A bad request is a ValueError here, before
-        anything changes (`validated`: the caller has run `validate` on these very
-        ids and params already; the check is not repeated)."""
+        anything changes."""
         if self._thread.stopped:
             raise RuntimeError("the engine has shut down")
-        prompt_ids = self._engine.tokenize(prompt)
-        if not validated:
-            self._engine.validate(prompt_ids, params)
-        stream = self.open_stream(request_id)
-        kwargs = dict(
-            prompt=prompt,
-            params=params,
-            priority=priority,
-            namespace=namespace,
-            public_tokens=public_tokens,
-            prompt_token_ids=prompt_ids,
-            delta=delta,
-            validated=True,  # here, in the caller's thread: the engine's thread needs not
-        )
-        self._thread.add(request_id, kwargs)
+        request = self.validate(request)  # here: the engine's thread needs not
+        stream = self.open_stream(request.request_id)
+        self._thread.add(request.request_id, dict(request=request, delta=delta))
         async for out in stream:
             yield out
 
     def open_stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Where a request's outputs will arrive (open it before `add_request` or
+        """Where a request's outputs will arrive (open it before `add` or
         `reserve_remote`). Leaving the iteration early aborts the request."""
         return self._iterate(request_id, self._thread.open(request_id))
 
@@ -94,15 +105,10 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def add_request(
+    async def add(
         self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        priority: int = 0,
-        namespace: str = "",
-        public_tokens: int = 0,
         handoff=None,
         hold_seconds: float | None = None,
     ) -> None:
@@ -111,43 +117,13 @@ class AsyncLLM:
         sends the prompt's KV out layer by layer, `hold_seconds` keeps its blocks
         after it finishes until `release_held`. A bad request is a ValueError."""
         await self._call(
-            lambda e: e.add_request(
-                request_id,
-                prompt_ids,
-                params,
-                priority=priority,
-                namespace=namespace,
-                public_tokens=public_tokens,
-                prompt_token_ids=prompt_ids,
-                delta=True,
-                handoff=handoff,
-                hold_seconds=hold_seconds,
-            )
+            lambda e: e.add(request, delta=True, handoff=handoff, hold_seconds=hold_seconds)
         )
 
-    async def reserve_remote(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        namespace: str = "",
-        public_tokens: int = 0,
-    ) -> Reservation | None:
+    async def reserve_remote(self, request: EngineRequest) -> Reservation | None:
         """Decode role: blocks for the prompt, to be filled from outside (None: not
         free now). Open the request's stream first."""
-        return await self._call(
-            lambda e: e.reserve_remote(
-                request_id,
-                prompt_ids,
-                params,
-                priority=priority,
-                namespace=namespace,
-                public_tokens=public_tokens,
-                delta=True,
-            )
-        )
+        return await self._call(lambda e: e.reserve_remote(request, delta=True))
 
     async def commit_remote(
         self, request_id: str, token_id: int, logprob: float = 0.0, top=None
@@ -233,10 +209,6 @@ class AsyncLLM:
         """Every block hash cached on the device and in the host tier; the KV events
         before it are dropped (it includes them), later ones keep coming."""
         return await self._thread.snapshot_kv()
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Every check a request must pass; a ValueError changes nothing."""
-        self._engine.validate(prompt_ids, params)
 
     async def parallel_stats(self) -> list[dict]:
         """Per rank of a parallel engine: busy and collective seconds, steps."""

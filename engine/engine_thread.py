@@ -119,7 +119,7 @@ class EngineThread:
                 if kind == "abort":
                     self.engine.abort_request(request_id)
                 else:
-                    self.engine.add_request(request_id, **kwargs)
+                    self.engine.add(**kwargs)
             except Exception as exc:  # validated already; anything here is reported, not lost
                 self._deliver(request_id, exc, final=True)
             self._times["requests"] += time.perf_counter() - start

@@ -52,14 +52,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         priorities = priority or [0] * len(prompts)
-        token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
-        for ids, p in zip(token_ids, params):
-            self.engine.validate(ids, p)
-        request_ids = []
-        for prompt, ids, p, prio in zip(prompts, token_ids, params, priorities):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p, priority=prio, prompt_token_ids=ids)
-            request_ids.append(request_id)
+        requests = [
+            self.engine.validate(
+                self.engine.make_request(f"offline-{next(self._ids)}", prompt, p, priority=prio)
+            )
+            for prompt, p, prio in zip(prompts, params, priorities)
+        ]
+        for request in requests:
+            self.engine.add(request)
+        request_ids = [request.request_id for request in requests]
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():

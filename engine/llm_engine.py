@@ -1,8 +1,8 @@
 """The step-level engine services build on: add a request, run one step,
 abort a request, read statistics and KV events.
 
-`add_request` validates everything before it changes any state, so a bad
-request is a ValueError for its caller only. A step that fails finishes the
+`add` validates a request (once: `validate` marks it) before it changes any
+state, so a bad request is a ValueError for its caller only. A step that fails finishes the
 requests in it with an error and leaves the engine serving the rest.
 """
 
@@ -29,6 +29,7 @@ from engine.mock_runner import MockRunner
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState, make_output
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import EngineRequest
 from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -97,10 +98,40 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize(self.tokenizer, prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Every check a request must pass; raises ValueError, changes nothing."""
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        namespace: str = "",
+        public_tokens: int = 0,
+    ) -> EngineRequest:
+        """The request for a prompt (text is tokenized here); not validated yet."""
+        return EngineRequest(
+            request_id,
+            self.tokenize(prompt),
+            params if params is not None else SamplingParams(),
+            priority,
+            namespace,
+            public_tokens,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """Every check a request must pass: the request marked valid, or a ValueError
+        (nothing changes). A request marked already is not checked again."""
+        if request.validated:
+            return request
+        params = request.params
         check_request(
-            prompt_ids, params, self.model_config, self.max_model_len, self.tokenizer, self.kv
+            request.prompt_ids,
+            params,
+            self.model_config,
+            self.max_model_len,
+            self.tokenizer,
+            self.kv,
         )
         if params.n > self.config.max_num_seqs:  # its outputs could never run together
             raise ValueError(
@@ -109,6 +140,7 @@ class LLMEngine:
             )
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
+        return request.marked_valid()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -125,43 +157,44 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         *,
-        priority: int = 0,
-        namespace: str = "",
-        public_tokens: int = 0,
-        arrival_time: float | None = None,
-        prompt_token_ids: list[int] | None = None,
         delta: bool = False,
         handoff=None,
         hold_seconds: float | None = None,
-        validated: bool = False,
+        **fields,
     ) -> None:
-        """Queues a request; `prompt_token_ids`, when given, is `prompt` already tokenized.
+        """Queues a prompt: `add` of `make_request` (`fields`: priority, namespace,
+        public_tokens)."""
+        request = self.make_request(request_id, prompt, params, **fields)
+        self.add(request, delta=delta, handoff=handoff, hold_seconds=hold_seconds)
+
+    def add(
+        self,
+        request: EngineRequest,
+        *,
+        delta: bool = False,
+        handoff=None,
+        hold_seconds: float | None = None,
+    ) -> None:
+        """Queues a request, validated here unless it is already.
         With `delta`, each output carries only the tokens and text new since the last.
         Prefill role: `handoff` sends the prompt's KV out layer by layer, and
-        `hold_seconds` keeps the blocks after the request finishes (see disaggregation).
-        `validated`: `validate` passed on these ids and params already (AsyncLLM runs it
-        in its caller's thread, so the engine's thread does not run it again)."""
-        params = params if params is not None else SamplingParams()
+        `hold_seconds` keeps the blocks after the request finishes (see disaggregation)."""
         if self.closed:
             raise RuntimeError("the engine is closed")
+        request_id = request.request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        if not validated:
-            self.validate(prompt_ids, params)
-        if handoff is not None and params.n != 1:
+        request = self.validate(request)
+        if handoff is not None and request.params.n != 1:
             raise ValueError("a request handed off to another worker must have n == 1")
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [
-            self._new_sequence(request_id, i, prompt_ids, params, priority, namespace, arrival)
-            for i in range(params.n)
-        ]
+        arrival = time.monotonic()
+        seqs = [self._new_sequence(request, i, arrival) for i in range(request.params.n)]
         for child in seqs[1:]:
             child.fork_parent = seqs[0]
         self.requests[request_id] = RequestState(
             request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=prompt_ids,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_ids,
             seqs=seqs,
             metrics=RequestMetrics(arrival_time=arrival),
             delta=delta,
@@ -170,24 +203,25 @@ class LLMEngine:
         seqs[0].handoff = handoff
         for seq in seqs:
             seq.hold_blocks = hold_seconds is not None
-            seq.public_tokens = public_tokens
             self.scheduler.add(seq)
 
-    def _new_sequence(self, request_id, index, prompt_ids, params, priority, namespace, arrival):
+    def _new_sequence(self, request: EngineRequest, index: int, arrival: float) -> Sequence:
+        params = request.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed + index)
         seq = Sequence(
-            seq_id=request_id if index == 0 else f"{request_id}#{index}",
-            request_id=request_id,
+            seq_id=request.request_id if index == 0 else f"{request.request_id}#{index}",
+            request_id=request.request_id,
             index=index,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=request.prompt_ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
-            priority=priority,
+            priority=request.priority,
             arrival_time=arrival,
-            namespace=namespace,
+            namespace=request.namespace,
+            public_tokens=request.public_tokens,
             generator=generator,
         )
         wants_text = self.config.detokenize or bool(params.stop)
@@ -239,40 +273,27 @@ class LLMEngine:
         return [self._emit(s) for s in touched.values() if s.finished or not finished_only]
 
     # -- disaggregation (decode role) ------------------------------------------
-    def reserve_remote(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        namespace: str = "",
-        public_tokens: int = 0,
-        delta: bool = False,
-    ) -> Reservation | None:
+    def reserve_remote(self, request: EngineRequest, *, delta: bool = False) -> Reservation | None:
         """Makes the request and blocks for its whole prompt, to be filled from
         outside; None when the blocks are not free now (run it locally instead)."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_ids, params)
-        if params.n != 1:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request = self.validate(request)
+        if request.params.n != 1:
             raise ValueError("remote prefill needs n == 1")
         self.stepper.settle()
-        seq = self._new_sequence(
-            request_id, 0, prompt_ids, params, priority, namespace, time.monotonic()
-        )
-        seq.public_tokens = public_tokens
+        seq = self._new_sequence(request, 0, time.monotonic())
         state = RequestState(
-            request_id,
-            None,
-            prompt_ids,
+            request.request_id,
+            request.prompt,
+            request.prompt_ids,
             [seq],
             RequestMetrics(arrival_time=seq.arrival_time),
             delta=delta,
         )
         reservation = self.disagg.reserve(state)
         if reservation is not None:
-            self.requests[request_id] = state
+            self.requests[request.request_id] = state
             # a prefix hit in the host tier: load it now (the rest arrives from outside)
             self.tiers.load_pending(outside_writes=True)
         return reservation

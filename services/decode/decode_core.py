@@ -1,7 +1,7 @@
 """The decode service's core, free of gRPC: runs a request on the engine (its
-prompt prefilled here or, in the decode role, by a prefill worker) and turns
-the engine's outputs into per-output token deltas. A migrated request resumes
-after the tokens already streamed."""
+prompt prefilled here or, in the decode role, by a prefill worker) and streams
+its delta outputs. A migrated request resumes after the tokens already
+streamed."""
 
 from __future__ import annotations
 
@@ -9,23 +9,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine import AsyncLLM, SamplingParams
+from engine import AsyncLLM
 from engine.outputs import RequestOutput
+from engine.request import EngineRequest
 from services.decode.remote_prefill import HandoffTiming, RemotePrefill
-from services.worker.logprobs import Position, position
 from services.worker.shared_kv import SharedKv
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    index: int
-    token_ids: list[int]
-    logprobs: list[Position] | None = None
-    finish_reason: str | None = None
-    stop_reason: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
 
 
 @dataclass(slots=True)
@@ -58,64 +46,32 @@ class DecodeCore:
 
     async def generate(
         self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        tenant: str = "",
-        public_tokens: int = 0,
-        priority: int = 0,
         resume_token_ids: list[int] | None = None,
         timing: RequestTiming | None = None,
         prefill_address: str = "",
-    ) -> AsyncIterator[TokenDelta]:
-        """Streams each output's new tokens. With `resume_token_ids` (a migrated
-        request) the engine continues after them and they are not sent again."""
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the engine's delta outputs (those with news: tokens or an end).
+        With `resume_token_ids` (a migrated request) the engine continues after
+        them and they are not sent again."""
         resume = list(resume_token_ids or [])
         if resume:
-            if params.n != 1:
-                raise ValueError("only single-output requests can be resumed")
-            if params.max_tokens is not None:
-                if len(resume) >= params.max_tokens:
-                    raise ValueError("nothing left to generate after the resumed tokens")
-                params = params.clone(
-                    max_tokens=params.max_tokens - len(resume),
-                    min_tokens=max(0, params.min_tokens - len(resume)),
-                )
-            if params.structured_output is not None:  # its grammar continues after them
-                params = params.clone(structured_output=params.structured_output.after(resume))
-        full_prompt = prompt_ids + resume
-        self.engine.validate(full_prompt, params)
+            request = _resumed(request, resume)
+        request = self.engine.validate(request)
         if self.shared is not None:  # blocks the shared tier has and this worker lacks
-            await self.shared.prefetch(full_prompt, tenant, public_tokens)
-        if prefill_address and self.remote is not None and params.n == 1:
-            outputs = self.engine.open_stream(request_id)
+            await self.shared.prefetch(request.prompt_ids, request.namespace, request.public_tokens)
+        if prefill_address and self.remote is not None and request.params.n == 1:
+            outputs = self.engine.open_stream(request.request_id)
             try:
-                handoff = await self.remote.run(
-                    request_id,
-                    full_prompt,
-                    params,
-                    prefill_address,
-                    tenant=tenant,
-                    public_tokens=public_tokens,
-                    priority=priority,
-                )
+                handoff = await self.remote.run(request, prefill_address)
             except BaseException:
-                self.engine.abort(request_id)
+                self.engine.abort(request.request_id)
                 raise
             if timing is not None:
                 timing.handoff = handoff
         else:
-            outputs = self.engine.generate(
-                full_prompt,
-                params,
-                request_id,
-                priority=priority,
-                namespace=tenant,
-                public_tokens=public_tokens,
-                delta=True,
-                validated=True,  # above, before the prefetch
-            )
+            outputs = self.engine.stream(request, delta=True)
         generated: dict[int, list[int]] = {}
         async for out in outputs:
             if timing is not None:
@@ -126,32 +82,33 @@ class DecodeCore:
                 # now, not after the last delta: a caller may stop reading once it has it
                 for tokens in generated.values():
                     self.shared.write_through(
-                        full_prompt, tokens, tenant, public_tokens, out.num_cached_tokens
+                        request.prompt_ids,
+                        tokens,
+                        request.namespace,
+                        request.public_tokens,
+                        out.num_cached_tokens,
                     )
-            for completion in out.outputs:
-                if not completion.token_ids and completion.finish_reason is None:
-                    continue
-                logprobs = None
-                if completion.logprobs is not None:
-                    logprobs = [
-                        position(entry, token, params.logprobs or 0)
-                        for entry, token in zip(completion.logprobs, completion.token_ids)
-                    ]
-                yield TokenDelta(
-                    index=completion.index,
-                    token_ids=completion.token_ids,
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=""
-                    if completion.stop_reason is None
-                    else str(completion.stop_reason),
-                    prompt_tokens=len(prompt_ids),
-                    cached_tokens=out.num_cached_tokens,
-                    error=out.error or "",
-                )
+            yield out
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+
+def _resumed(request: EngineRequest, resume: list[int]) -> EngineRequest:
+    """The request that continues after `resume` (tokens streamed already)."""
+    params = request.params
+    if params.n != 1:
+        raise ValueError("only single-output requests can be resumed")
+    if params.max_tokens is not None:
+        if len(resume) >= params.max_tokens:
+            raise ValueError("nothing left to generate after the resumed tokens")
+        params = params.clone(
+            max_tokens=params.max_tokens - len(resume),
+            min_tokens=max(0, params.min_tokens - len(resume)),
+        )
+    if params.structured_output is not None:  # its grammar continues after them
+        params = params.clone(structured_output=params.structured_output.after(resume))
+    return request.replace(prompt_ids=request.prompt_ids + resume, params=params)
 
 
 def _record(timing: RequestTiming, out: RequestOutput) -> None:

@@ -6,14 +6,15 @@ from contextlib import aclosing
 
 import grpc
 
+from engine.request import EngineRequest
 from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import WorkerChannels
-from services.common.convert import params_to_proto
 from services.common.errors import from_grpc_error
 from services.common.grpc_streams import read_stream
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles
-from services.worker.handoff import PrefillResult, result_from_chunk
+from services.worker.handoff import HandoffOrder, PrefillResult
+from services.worker.wire import prefill_to_proto, result_from_chunk
 
 
 class PrefillClient:
@@ -45,41 +46,13 @@ class PrefillClient:
         self._info.pop(address, None)
 
     async def prefill(
-        self,
-        address: str,
-        *,
-        request_id,
-        prompt_ids,
-        params,
-        tenant,
-        public_tokens,
-        priority,
-        skip_blocks,
-        dst_block_ids,
-        transport,
-        target,
-        lease_seconds,
-        decode_worker_id,
-        timeout,
+        self, address: str, request: EngineRequest, order: HandoffOrder, *, timeout: float
     ) -> PrefillResult:
-        request = worker_pb2.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            tenant=tenant,
-            public_tokens=public_tokens,
-            skip_blocks=skip_blocks,
-            decode_worker_id=decode_worker_id,
-            transport=transport,
-            transport_target=target,
-            lease_seconds=lease_seconds,
-            params=params_to_proto(params),
-            dst_block_ids=dst_block_ids,
-            priority=priority,
-        )
+        message = prefill_to_proto(request, order)
         done = None
         try:
             call = self._prefill(address).Prefill(
-                request, timeout=timeout, metadata=grpc_metadata()
+                message, timeout=timeout, metadata=grpc_metadata()
             )
             async with aclosing(read_stream(call)) as chunks:
                 async for chunk in chunks:

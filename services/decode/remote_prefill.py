@@ -17,8 +17,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine import AsyncLLM, Logprob, SamplingParams
+from engine import AsyncLLM, Logprob
+from engine.request import EngineRequest
 from services.kv_transport.registry import PerTransport, choose_transport, make_receiver
+from services.worker.handoff import HandoffOrder
 
 logger = logging.getLogger(__name__)
 
@@ -57,29 +59,18 @@ class RemotePrefill:
         self.receivers = PerTransport(lambda name: make_receiver(name, kv_caches, host))
         self.num_layers = engine.facts.num_layers
 
-    async def run(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        prefill_address: str,
-        *,
-        tenant: str = "",
-        public_tokens: int = 0,
-        priority: int = 0,
-    ) -> HandoffTiming:
-        """Adds the request to the engine, with its prompt KV from `prefill_address`
-        when the handoff works, else to be prefilled locally. Outputs then flow on
-        the request's stream (open it first)."""
+    async def run(self, request: EngineRequest, prefill_address: str) -> HandoffTiming:
+        """Adds the request (validated) to the engine, with its prompt KV from
+        `prefill_address` when the handoff works, else to be prefilled locally.
+        Outputs then flow on the request's stream (open it first)."""
         timing = HandoffTiming()
-        request = (request_id, prompt_ids, params)
-        placing = dict(priority=priority, namespace=tenant, public_tokens=public_tokens)
+        request_id, params = request.request_id, request.params
         start = time.monotonic()
-        reservation = await self.engine.reserve_remote(*request, **placing)
+        reservation = await self.engine.reserve_remote(request)
         timing.queue_seconds = time.monotonic() - start
         if reservation is None:
             timing.fell_back = "no free blocks to reserve"
-            await self.engine.add_request(*request, **placing)  # prefilled here
+            await self.engine.add(request)  # prefilled here
             return timing
         timing.skipped_blocks = reservation.skip_blocks
         # Each attempt gets its own id on the wire: a retried or migrated request must
@@ -93,20 +84,18 @@ class RemotePrefill:
             receiver = await self.receivers.started(timing.transport)
             receiver.expect(transfer_id, reservation.dst_block_ids, self.num_layers)
             asked = time.monotonic()
+            order = HandoffOrder(
+                timing.transport,
+                receiver.target(),
+                reservation.dst_block_ids,
+                reservation.skip_blocks,
+                self.lease_seconds,
+                self.worker_id,
+            )
             result = await self.client.prefill(
                 prefill_address,
-                request_id=transfer_id,
-                prompt_ids=prompt_ids,
-                params=params,
-                tenant=tenant,
-                public_tokens=public_tokens,
-                priority=priority,
-                skip_blocks=reservation.skip_blocks,
-                dst_block_ids=reservation.dst_block_ids,
-                transport=timing.transport,
-                target=receiver.target(),
-                lease_seconds=self.lease_seconds,
-                decode_worker_id=self.worker_id,
+                request.replace(request_id=transfer_id),
+                order,
                 timeout=self.timeout,
             )
             receiver.mark_done(transfer_id)
@@ -127,7 +116,7 @@ class RemotePrefill:
             )
             await self.engine.cancel_remote(request_id)
             timing.fell_back = str(exc)
-            await self.engine.add_request(*request, **placing)
+            await self.engine.add(request)
             return timing
         timing.prefill_seconds = result.prefill_seconds
         timing.transfer_seconds = max(0.0, time.monotonic() - asked - result.prefill_seconds)

@@ -10,12 +10,12 @@ import time
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from basis.sampling_params import SamplingParams
 from proto.yinian.v1 import worker_pb2
 from services.common import metrics
 from services.common.spans import request_attributes, stage_span
 from services.common.telemetry import tracer
 from services.decode.decode_core import RequestTiming
+from services.worker.wire import Generate
 
 _tracer = tracer("yinian.worker")
 
@@ -24,22 +24,23 @@ class GenerateTrace:
     """One Generate call: `with trace.active():` around the work (downstream calls
     join the trace), `stage_timings()` for the last chunk, `end()` when done."""
 
-    def __init__(self, worker_id: str, request, params: SamplingParams, parent):
+    def __init__(self, worker_id: str, call: Generate, parent):
         self.worker_id = worker_id
         self.timing = RequestTiming(arrival=time.monotonic())
+        request = call.request
         self.span = _tracer.start_span(
             "worker.generate",
             context=parent,
             kind=trace.SpanKind.SERVER,
             attributes=request_attributes(
                 request.request_id,
-                request.tenant,
-                prompt_tokens=len(request.prompt_token_ids),
-                max_tokens=params.max_tokens,
+                request.namespace,
+                prompt_tokens=len(request.prompt_ids),
+                max_tokens=request.params.max_tokens,
             )
             | {
                 "yinian.worker_id": worker_id,
-                "yinian.resumed_tokens": len(request.resume_token_ids),
+                "yinian.resumed_tokens": len(call.resume_token_ids),
             },
         )
         metrics.WORKER_REQUESTS.labels(worker=worker_id).inc()

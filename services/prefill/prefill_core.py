@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine import AsyncLLM, SamplingParams
+from engine import AsyncLLM
 from engine.disaggregation import Handoff
+from engine.request import EngineRequest
 from services.kv_transport.base import KvSender, LayerPlan, TransferError
-from services.worker.handoff import PrefillResult
+from services.worker.handoff import HandoffOrder, PrefillResult
 from services.worker.logprobs import position
 from services.worker.shared_kv import SharedKv
 
@@ -69,44 +70,26 @@ class PrefillCore:
         self.num_layers = engine.facts.num_layers
 
     async def prefill(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        transport: str,
-        target: bytes,
-        dst_block_ids: list[int],
-        skip_blocks: int,
-        tenant: str = "",
-        public_tokens: int = 0,
-        priority: int = 0,
-        lease_seconds: float = 30.0,
-        timeout: float = 120.0,
+        self, request: EngineRequest, order: HandoffOrder, timeout: float = 120.0
     ) -> PrefillResult:
-        """Computes the prompt, sends blocks skip_blocks.. to `dst_block_ids`, and
-        returns the first token once every block has landed."""
-        sender = self.sender_for(transport)
+        """Computes the prompt, sends blocks order.skip_blocks.. to the order's
+        blocks, and returns the first token once every block has landed."""
+        request_id, params = request.request_id, request.params
+        sender = self.sender_for(order.transport)
+        # it runs here up to its first token (checked once, before anything changes)
+        first = request.replace(params=params.clone(max_tokens=1, min_tokens=0, stop=[]))
+        first = self.engine.validate(first)
         if self.shared is not None:
-            self.engine.validate(prompt_ids, params)
-            await self.shared.prefetch(prompt_ids, tenant, public_tokens)
+            await self.shared.prefetch(first.prompt_ids, first.namespace, first.public_tokens)
         handoff = TransportHandoff(
-            sender, target, request_id, dst_block_ids, skip_blocks, self.num_layers
-        )
-        first_params = params.clone(max_tokens=1, min_tokens=0, stop=[])
+            sender, order.target, request_id, order.dst_block_ids, order.skip_blocks,
+            self.num_layers,
+        )  # fmt: skip
         stream = self.engine.open_stream(request_id)
         start = time.monotonic()
         final = None
         try:
-            await self.engine.add_request(
-                request_id,
-                prompt_ids,
-                first_params,
-                priority=priority,
-                namespace=tenant,
-                public_tokens=public_tokens,
-                handoff=handoff,
-                hold_seconds=lease_seconds,
-            )
+            await self.engine.add(first, handoff=handoff, hold_seconds=order.lease_seconds)
             async for out in stream:
                 final = out
         except BaseException:  # the decode side went away: nothing may stay behind
@@ -131,7 +114,11 @@ class PrefillCore:
         token = completion.token_ids[0]
         if self.shared is not None:
             self.shared.write_through(
-                prompt_ids, [], tenant, public_tokens, cached_tokens=final.num_cached_tokens
+                request.prompt_ids,
+                [],
+                request.namespace,
+                request.public_tokens,
+                cached_tokens=final.num_cached_tokens,
             )
         logprob, top = 0.0, []
         if completion.logprobs:

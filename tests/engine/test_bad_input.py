@@ -89,3 +89,19 @@ def test_abort_frees_everything(llm):
     assert out.finished and {c.finish_reason for c in out.outputs} == {"abort"}
     assert engine.get_stats()["kv_blocks_used"] == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_a_request_is_checked_once_and_again_when_changed(llm):
+    """`validate` marks a request; the engine takes a marked one as it is, and a
+    copy with other ids or parameters (`replace`) is checked afresh."""
+    engine = llm.engine
+    checked = engine.validate(engine.make_request("once", [1, 2, 3], SamplingParams(max_tokens=2)))
+    assert checked.validated and engine.validate(checked) is checked
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add(checked.replace(request_id="changed", prompt_ids=[10**6]))
+    with pytest.raises(ValueError):
+        engine.reserve_remote(checked.replace(request_id="changed", params=SamplingParams(n=2)))
+    assert "changed" not in engine.requests
+    engine.add(checked)
+    while engine.has_unfinished_requests():
+        engine.step()

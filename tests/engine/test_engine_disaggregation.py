@@ -41,7 +41,7 @@ def run_until_done(engine: LLMEngine, request_id: str):
 
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt):
-    res = decode.reserve_remote(request_id, prompt, PARAMS)
+    res = decode.reserve_remote(decode.make_request(request_id, prompt, PARAMS))
     assert res is not None
     h = CopyHandoff(decode, res.dst_block_ids, res.skip_blocks)
     prefill.add_request(request_id, prompt, PARAMS.clone(max_tokens=1), handoff=h, hold_seconds=30)
@@ -86,7 +86,7 @@ def test_leases_expire_and_reservations_cancel(model_dir):
     cfg = EngineConfig(dtype="float32", device="cpu")
     prefill, decode = LLMEngine(folder, cfg), LLMEngine(folder, cfg)
     prompt = random_prompts(500, (40,), seed=83)[0]
-    res = decode.reserve_remote("x", prompt, PARAMS)
+    res = decode.reserve_remote(decode.make_request("x", prompt, PARAMS))
     prefill.add_request(
         "x",
         prompt,
