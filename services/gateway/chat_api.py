@@ -9,19 +9,18 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from basis.structured_output import StructuredOutput
-from services.common.errors import InvalidRequest, http_status_of
+from services.common.errors import InvalidRequest
 from services.gateway import openai_format as fmt
 from services.gateway.chat_protocol import ChatCompletionRequest
-from services.gateway.frontend import RunStats
 from services.gateway.gateway_core import GatewayCore
+from services.gateway.openai_run import serve
 from services.gateway.openapi_doc import (
     RUN_ERRORS,
     ChatCompletionResponse,
     answers,
     request_body,
 )
-from services.gateway.protocol import error_body
-from services.gateway.request_io import HeldStream, parse, request_span, run_guarded
+from services.gateway.request_io import parse
 from services.gateway.structured_request import checked, requested_outputs, tool_output
 from services.gateway.tool_calls import ToolFormat
 
@@ -114,69 +113,41 @@ def add_chat_route(app: FastAPI, core: GatewayCore, auth) -> None:
             req.priority,
             prefix="chatcmpl",
         )
-        ticket = await core.admission.admit(tenant, [prep])
-        if not req.stream:
+        request_id, tool_format = prep.request_id, plan.tool_format
 
-            async def whole():
-                stats = RunStats()
-                with request_span(core, ROUTE, prep, tenant, req):
-                    results = await core.collect(prep, stats)
-                return fmt.chat_response(
-                    prep.request_id, req.model, results, [stats], plan.tool_format
-                )
+        def whole(parts, stats):
+            return fmt.chat_response(request_id, req.model, parts[0], stats, tool_format)
 
-            return await run_guarded(request, whole(), ticket)
+        def chunk(index: int, delta: dict, finish=None, logprobs=None, stop=None):
+            return fmt.chat_chunk(request_id, req.model, index, delta, finish, logprobs, stop)
 
-        options = req.stream_options
-        include_usage = bool(options and options.include_usage)
-        obfuscate = bool(options and options.include_obfuscation)
+        # each streamed output's tool-call parser (none: all of the answer is content)
+        parsers = {}
+        if tool_format is not None and req.stream:
+            parsers = {i: tool_format.stream() for i in range(req.n)}
 
-        def sse(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> str:
-            chunk = fmt.chat_chunk(
-                prep.request_id, req.model, index, delta, finish, logprobs, stop_reason
-            )
-            return fmt.sse(fmt.obfuscated(chunk) if obfuscate else chunk)
+        def chunks(_which: int, ev):
+            parser = parsers.get(ev.index)
+            if parser is None:
+                delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                return [chunk(ev.index, delta, ev.finish_reason, ev.logprobs, ev.stop_reason)]
+            deltas = parser.feed(ev.text)
+            deltas += parser.finish() if ev.finish_reason else []
+            out, logprobs = [], ev.logprobs
+            for delta in deltas:
+                out.append(chunk(ev.index, delta, logprobs=logprobs))
+                logprobs = None
+            if ev.finish_reason is not None:
+                finish = ev.finish_reason
+                if parser.calls and finish == "stop":
+                    finish = "tool_calls"
+                out.append(chunk(ev.index, {}, finish, logprobs, ev.stop_reason))
+            elif logprobs:
+                out.append(chunk(ev.index, {}, logprobs=logprobs))
+            return out
 
-        async def stream():
-            stats = RunStats()
-            parsers = {}
-            if plan.tool_format is not None:
-                parsers = {i: plan.tool_format.stream() for i in range(req.n)}
-            with request_span(core, ROUTE, prep, tenant, req):
-                for i in range(req.n):
-                    yield sse(i, {"role": "assistant", "content": ""})
-                try:
-                    async for ev in core.events(prep, stats):
-                        parser = parsers.get(ev.index)
-                        if parser is None:
-                            text = ev.text or ev.finish_reason is None
-                            delta = {"content": ev.text} if text else {}
-                            yield sse(
-                                ev.index, delta, ev.finish_reason, ev.logprobs, ev.stop_reason
-                            )
-                            continue
-                        deltas = parser.feed(ev.text)
-                        deltas += parser.finish() if ev.finish_reason else []
-                        logprobs = ev.logprobs
-                        for delta in deltas:
-                            yield sse(ev.index, delta, logprobs=logprobs)
-                            logprobs = None
-                        if ev.finish_reason is not None:
-                            finish = ev.finish_reason
-                            if parser.calls and finish == "stop":
-                                finish = "tool_calls"
-                            yield sse(ev.index, {}, finish, logprobs, ev.stop_reason)
-                        elif logprobs:
-                            yield sse(ev.index, {}, logprobs=logprobs)
-                    if include_usage:
-                        yield fmt.sse(
-                            fmt.usage_chunk(
-                                prep.request_id, req.model, "chat.completion.chunk", [stats]
-                            )
-                        )
-                except Exception as exc:  # the stream already began: report in-band
-                    status, err_type = http_status_of(exc)
-                    yield fmt.sse(error_body(str(exc), err_type, status))
-            yield fmt.sse("[DONE]")
-
-        return HeldStream(stream(), ticket)
+        opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
+        return await serve(
+            core, ROUTE, request, req, tenant, [prep],
+            whole=whole, chunks=chunks, chunk_object="chat.completion.chunk", opening=opening,
+        )  # fmt: skip
