@@ -12,7 +12,6 @@ from redis_server import RedisServer
 from services.common.kv_checksum import block_checksum
 from services.kvstore.block_format import encode
 from services.kvstore.fingerprint import Fingerprint
-from services.kvstore.global_index import GlobalIndex
 from services.kvstore.ledger import Ledger
 from services.kvstore.quotas import Quotas
 from services.kvstore.redis_guard import RedisGuard
@@ -55,7 +54,6 @@ class Harness:
     tier: SharedTier
     ledger: Ledger
     events: SharedEventLog
-    index: GlobalIndex
     seen: list = field(default_factory=list)
     spiller: object = None
 
@@ -97,8 +95,7 @@ def harness(
     tier = SharedTier(
         guard, Quotas(capacity, quota, overrides or {}), ledger, TierSettings(**settings), on_change
     )
-    index = GlobalIndex()
-    return Harness(KvStore(tier, index, ledger), tier, ledger, events, index)
+    return Harness(KvStore(tier, ledger), tier, ledger, events)
 
 
 def memory_harness(url: str, memory_blocks: int, quota_blocks: int = 0, spill_mb: int = 64,
@@ -115,8 +112,7 @@ def memory_harness(url: str, memory_blocks: int, quota_blocks: int = 0, spill_mb
     )  # fmt: skip
     ledger, events = Ledger(), SharedEventLog()
     tier, memory, spiller = build_tiers(config, ledger, events)
-    h = Harness(KvStore(tier, GlobalIndex(), ledger, memory=memory), tier, ledger, events,
-                GlobalIndex())  # fmt: skip
+    h = Harness(KvStore(tier, ledger, memory=memory), tier, ledger, events)
     h.spiller = spiller
     return h
 

@@ -66,9 +66,9 @@ class MeshSpec:
     # internal calls unauthenticated (no mesh token: services/common/mesh_token.py)
     insecure_internal: bool = False
     drain_timeout: float = 30.0  # a stopped worker's time to finish its streams
-    # The KV store (shared tier + global index) and the Redis behind it: started here
-    # unless `redis_url` names one; without any redis-server the store runs the
-    # index only (host tiers still work).
+    # The KV store (the shared tier) and the Redis behind it: started here unless
+    # `redis_url` names one; without any redis-server the store has no tier and the
+    # workers' host tiers still work.
     kvstore: bool = False
     redis_url: str | None = None
     kvstore_argv: list[str] = field(default_factory=list)

@@ -40,8 +40,7 @@ def service_login(name: str) -> Login:
         publish = (register_subject(), KV_RESYNC_SUBJECT)
         subscribe = (load_subject(), kv_subject(), SHARED_KV_SUBJECT, expert_load_subject())
     elif name == "kvstore":
-        publish = (SHARED_KV_SUBJECT, KV_RESYNC_SUBJECT)
-        subscribe = (kv_subject(), load_subject(), KV_RESYNC_SUBJECT)
+        publish, subscribe = (SHARED_KV_SUBJECT,), (KV_RESYNC_SUBJECT,)
     elif name.startswith("expert-"):
         publish, subscribe = (expert_load_subject(name),), ()
     else:  # a worker, whatever its role

@@ -295,7 +295,7 @@ READY_WORKERS = Gauge(
     "yinian:ready_workers", "Workers ready for placement", ["role"], registry=SCHEDULER
 )
 
-# KV store (services/kvstore): the shared tier and the global index
+# KV store (services/kvstore): the shared tier
 _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 KVSTORE_LOOKUP_BLOCKS = Counter(
     "yinian:kvstore_lookup_blocks",
@@ -368,12 +368,6 @@ KVSTORE_SPILLED_BLOCKS = Counter(
     "Blocks the memory tier evicted, by what became of them: stored in Redis, rejected by it, "
     "or dropped (the spill queue was full)",
     ["outcome"],
-    registry=KVSTORE,
-)
-KVSTORE_INDEX_BLOCKS = Gauge(
-    "yinian:kvstore_index_blocks",
-    "Blocks in the global index, per worker tier",
-    ["tier"],
     registry=KVSTORE,
 )
 

@@ -17,8 +17,8 @@ class KvStoreConfig(TlsSettings):
     port: int = setting(50053, "gRPC port", env="YINIAN_KVSTORE_PORT")
     redis_url: str = setting(
         "",
-        "Redis of the shared tier, e.g. redis://127.0.0.1:6379/0 (empty: no shared tier; "
-        "the store serves the global index only)",
+        "Redis of the shared tier, e.g. redis://127.0.0.1:6379/0 (empty: no Redis; without "
+        "--memory-tier-bytes either, no shared tier)",
     )
     redis_cluster: bool = setting(False, "--redis-url names a node of a Redis Cluster")
     block_key_file: str = setting(
@@ -62,9 +62,6 @@ class KvStoreConfig(TlsSettings):
     )
     public_tenant: str = setting("__public__", "the namespace every tenant may read")
     max_block_bytes: int = setting(64 << 20, "the largest block a Put accepts")
-    worker_timeout: float = setting(
-        10.0, "seconds without a load report or KV event before a worker leaves the index"
-    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
@@ -93,8 +90,6 @@ class KvStoreConfig(TlsSettings):
             raise ValueError("public_tenant must not be empty (that is the default tenant)")
         if self.max_block_bytes <= 0:
             raise ValueError("max_block_bytes must be > 0")
-        if self.worker_timeout <= 0:
-            raise ValueError("worker_timeout must be > 0")
         TlsSettings.__post_init__(self)
 
 

@@ -202,7 +202,4 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             redis_errors=report.redis_errors,
             redis_latency_mean_ms=mean,
             redis_latency_p99_ms=p99,
-            index_gpu_blocks=report.index_blocks.get(GPU, 0),
-            index_host_blocks=report.index_blocks.get(HOST, 0),
-            index_workers=report.index_workers,
         )

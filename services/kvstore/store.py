@@ -1,7 +1,7 @@
-"""The KV store's operations, free of gRPC: Lookup over the global index and
-the shared tier, Put, Get and Stats. Every request is checked before any
-state changes (a bad one raises InvalidRequest); with no shared tier
-configured, Lookup still answers from the index and Put rejects."""
+"""The KV store's operations, free of gRPC: Lookup over the shared tier, Put,
+Get and Stats. Every request is checked before any state changes (a bad one
+raises InvalidRequest); with no shared tier configured, Lookup finds nothing
+and Put rejects."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from services.common.kv_checksum import block_checksum
 from services.common.kv_index import SHARED, SHARED_HOLDER
 from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
-from services.kvstore.global_index import GlobalIndex
 from services.kvstore.ledger import Ledger, TenantCounters
 from services.kvstore.memory_tier import LEND_SECONDS, MemoryTier
 from services.kvstore.redis_guard import TierUnavailable
@@ -66,8 +65,6 @@ class StatsReport:
     capacity_bytes: int = 0
     redis_errors: int = 0
     redis_latency_ms: tuple[float, float] = (0.0, 0.0)
-    index_blocks: dict[str, int] = field(default_factory=dict)
-    index_workers: int = 0
 
 
 def check_tenant(tenant: str) -> None:
@@ -86,12 +83,11 @@ class KvStore:
     def __init__(
         self,
         tier: SharedTier | None,
-        index: GlobalIndex,
         ledger: Ledger,
         max_block_bytes: int = 64 << 20,
         memory: MemoryTier | None = None,
     ):
-        self.tier, self.index, self.ledger = tier, index, ledger
+        self.tier, self.ledger = tier, ledger
         self.max_block_bytes = max_block_bytes
         self.memory = memory
 
@@ -124,17 +120,12 @@ class KvStore:
         check_hashes(hashes)
         hashes = list(hashes)
         mem, red = await self._owners(tenant, fingerprint, hashes)
-        locations, shared_prefix = [], 0
-        for i, h in enumerate(hashes):
-            holders = self.index.holders(h)
-            in_shared = mem[i] is not None or red[i] is not None
-            if in_shared:
-                holders.append((SHARED_HOLDER, SHARED))
-                if shared_prefix == i:
-                    shared_prefix += 1
-            if not holders:
+        locations = []
+        for i, h in enumerate(hashes):  # the shared tier's leading blocks
+            if mem[i] is None and red[i] is None:
                 break
-            locations.append(Location(h, holders))
+            locations.append(Location(h, [(SHARED_HOLDER, SHARED)]))
+        shared_prefix = len(locations)
         if self.shared:
             n = len(locations)
             await self._lease(fingerprint, hashes[:n], mem[:n], red[:n])
@@ -283,13 +274,7 @@ class KvStore:
             self.ledger.served(tenant, served, len(hashes) - served, nbytes)
 
     async def stats(self, tenant: str | None = None) -> StatsReport:
-        index_sizes = self.index.sizes()
-        report = StatsReport(
-            [],
-            self.shared,
-            index_blocks=index_sizes,
-            index_workers=len(self.index.last_seen),
-        )
+        report = StatsReport([], self.shared)
         if tenant is not None:
             check_tenant(tenant)
         names = set(self.ledger.tenants) if tenant is None else {tenant}
@@ -330,9 +315,7 @@ class KvStore:
         return report
 
     async def refresh_gauges(self) -> None:
-        """Sets the quota-use and index-size gauges (the app calls it now and then)."""
-        for tier_name, blocks in self.index.sizes().items():
-            metrics.KVSTORE_INDEX_BLOCKS.labels(tier=tier_name).set(blocks)
+        """Sets the quota-use gauges (the app calls it now and then)."""
         if self.tier is None:
             return
         try:

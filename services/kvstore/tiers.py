@@ -60,5 +60,5 @@ def build_tiers(
                             config.copy_threads, on_change, on_evict)  # fmt: skip
     if tier is None and memory is None:
         logger.warning("no --redis-url and no --memory-tier-bytes: the shared tier is off; "
-                       "serving the global index only")  # fmt: skip
+                       "every Put is refused and every Lookup finds nothing")  # fmt: skip
     return tier, memory, spiller

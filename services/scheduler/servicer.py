@@ -8,13 +8,14 @@ from opentelemetry import trace
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import mesh_token, metrics
-from services.common.kv_index import KvIndex
+from services.common.kv_index import GPU, HOST, SHARED, KvIndex
 from services.common.telemetry import context_from_grpc, tracer
 from services.scheduler.placement import PlacementPolicy, place
 from services.scheduler.registry import Registry, WorkerState
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("yinian.scheduler")
+MAX_HOLDER_HASHES = 16_384  # hashes in one Holders call (a 256k-token prompt at 16)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -116,6 +117,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 "of %d: no cached prefix can be found; give the gateway --block-size %d",
                 asked, worker.worker_id, worker.block_size, worker.block_size,
             )  # fmt: skip
+
+    async def Holders(self, request, context):
+        """Who holds each leading block of a prompt, from the mesh's one KV index."""
+        hashes = request.block_hashes
+        if len(hashes) > MAX_HOLDER_HASHES:
+            raise ValueError(f"{len(hashes)} block hashes; at most {MAX_HOLDER_HASHES} a call")
+        out = scheduler_pb2.HoldersResponse()
+        for block_hash in hashes:
+            held = self.index.holders(block_hash)
+            if not held:
+                break
+            out.blocks.append(
+                scheduler_pb2.BlockHolders(
+                    block_hash=block_hash,
+                    gpu=sorted(h for h, tier in held if tier == GPU),
+                    host=sorted(h for h, tier in held if tier == HOST),
+                    shared=any(tier == SHARED for _, tier in held),
+                )
+            )
+        return out
 
     async def ListWorkers(self, request, context):
         out = scheduler_pb2.ListWorkersResponse()

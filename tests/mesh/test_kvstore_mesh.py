@@ -22,7 +22,13 @@ from prompts import random_prompts
 from basis.block_hash import hash_prompt_blocks
 from basis.urls import without_login
 from engine import LLM, SamplingParams
-from proto.yinian.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from proto.yinian.v1 import (
+    common_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
 from services.common.tls import aio_channel, sync_channel
@@ -370,18 +376,17 @@ def test_a_lost_kv_event_is_repaired_by_resync(mesh, reference):
     finally:
         recorder.close()
 
-    def holders(block_hashes):
-        request = kvstore_pb2.LookupRequest(
-            tenant="A", fingerprint=_fingerprint(mesh), block_hashes=block_hashes
-        )
-        found = stub(mesh).Lookup(request, timeout=5).locations
-        return [{(h.holder, h.tier) for h in loc.holders} for loc in found]
+    def on_gpu(block_hashes):  # the mesh's one KV index: the scheduler's
+        scheduler = scheduler_pb2_grpc.SchedulerStub(sync_channel(mesh.scheduler_address, None))
+        request = scheduler_pb2.HoldersRequest(block_hashes=block_hashes)
+        return [set(b.gpu) for b in scheduler.Holders(request, timeout=5).blocks]
 
-    gpu = ("worker-0", kvstore_pb2.KV_TIER_GPU)
-    repaired = wait_until(lambda: (h := holders(hashes)) and all(gpu in x for x in h) and h,
-                          what="the index to hold the worker's real blocks")  # fmt: skip
+    repaired = wait_until(
+        lambda: (h := on_gpu(hashes)) and all("worker-0" in x for x in h) and h,
+        what="the index to hold the worker's real blocks",
+    )
     assert len(repaired) == len(hashes)
-    assert not any(gpu in x for x in holders([12345]))  # the injected entry is gone
+    assert on_gpu([12345]) == []  # the injected entry is gone
 
 
 def _fingerprint(mesh) -> kvstore_pb2.ModelFingerprint:

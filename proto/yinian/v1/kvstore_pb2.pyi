@@ -159,7 +159,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., get_blocks: _Optional[int] = ..., get_misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., verification_failures: _Optional[int] = ..., rejected_puts: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenants", "shared_tier_enabled", "redis_up", "shared_blocks", "shared_bytes", "capacity_bytes", "redis_errors", "redis_latency_mean_ms", "redis_latency_p99_ms", "index_gpu_blocks", "index_host_blocks", "index_workers")
+    __slots__ = ("tenants", "shared_tier_enabled", "redis_up", "shared_blocks", "shared_bytes", "capacity_bytes", "redis_errors", "redis_latency_mean_ms", "redis_latency_p99_ms")
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     SHARED_TIER_ENABLED_FIELD_NUMBER: _ClassVar[int]
     REDIS_UP_FIELD_NUMBER: _ClassVar[int]
@@ -169,9 +169,6 @@ class StatsResponse(_message.Message):
     REDIS_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REDIS_LATENCY_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
     REDIS_LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
-    INDEX_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    INDEX_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    INDEX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     shared_tier_enabled: bool
     redis_up: bool
@@ -181,10 +178,7 @@ class StatsResponse(_message.Message):
     redis_errors: int
     redis_latency_mean_ms: float
     redis_latency_p99_ms: float
-    index_gpu_blocks: int
-    index_host_blocks: int
-    index_workers: int
-    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., shared_tier_enabled: _Optional[bool] = ..., redis_up: _Optional[bool] = ..., shared_blocks: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_latency_mean_ms: _Optional[float] = ..., redis_latency_p99_ms: _Optional[float] = ..., index_gpu_blocks: _Optional[int] = ..., index_host_blocks: _Optional[int] = ..., index_workers: _Optional[int] = ...) -> None: ...
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., shared_tier_enabled: _Optional[bool] = ..., redis_up: _Optional[bool] = ..., shared_blocks: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_latency_mean_ms: _Optional[float] = ..., redis_latency_p99_ms: _Optional[float] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("path", "size")

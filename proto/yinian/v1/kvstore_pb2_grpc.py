@@ -75,8 +75,8 @@ class KvStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """For each leading block of a chain that some holder has, its holders;
-        grants a short read lease on the shared-tier blocks it reports.
+        """For each leading block of a chain that the shared tier holds, where (the
+        shared tier); grants a short read lease on the blocks it reports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

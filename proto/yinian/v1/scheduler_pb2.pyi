@@ -111,3 +111,27 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class HoldersRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockHolders(_message.Message):
+    __slots__ = ("block_hash", "gpu", "host", "shared")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    gpu: _containers.RepeatedScalarFieldContainer[str]
+    host: _containers.RepeatedScalarFieldContainer[str]
+    shared: bool
+    def __init__(self, block_hash: _Optional[int] = ..., gpu: _Optional[_Iterable[str]] = ..., host: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ...) -> None: ...
+
+class HoldersResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHolders]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...

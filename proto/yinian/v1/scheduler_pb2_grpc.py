@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.Holders = channel.unary_unary(
+                '/yinian.v1.Scheduler/Holders',
+                request_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -84,6 +89,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Holders(self, request, context):
+        """The mesh's one KV index: which workers (GPU and host tiers) and whether the
+        shared tier hold each leading block of a prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Holders': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holders,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersRequest.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +234,33 @@ class Scheduler:
             '/yinian.v1.Scheduler/ListWorkers',
             proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yinian.v1.Scheduler/Holders',
+            proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_scheduler__pb2.HoldersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.kv_checksum import block_checksum
-from services.common.kv_index import GPU, HOST
 from services.kvstore.block_format import TAG_BYTES, BlockCorrupt, decode, encode
 from services.kvstore.fingerprint import Fingerprint
-from services.kvstore.global_index import GlobalIndex
 from services.kvstore.quotas import Quotas, parse_quota_file
 from services.kvstore.redis_layout import Namespace, member, parse_member
 from services.kvstore.shared_events import SharedEventLog
@@ -111,26 +109,3 @@ def test_changes_during_a_snapshot_are_kept():
     log.snapshot([1, 2])
     (batch,) = log.batches()
     assert batch.reset and batch.stored == [2, 9] and batch.removed == []
-
-
-def test_index_asks_for_a_resync_after_a_gap():
-    now = [0.0]
-    index = GlobalIndex(worker_timeout=5.0, resync_interval=1.0, clock=lambda: now[0])
-    assert not index.on_events("w1", 1, ([10, 11], []), ([12], []), reset=True)
-    assert index.holders(10) == [("w1", GPU)] and index.holders(12) == [("w1", HOST)]
-    assert not index.on_events("w1", 2, ([13], [10]), ([], []), reset=False)
-    assert index.holders(10) == [] and index.holders(13) == [("w1", GPU)]
-    assert index.on_events("w1", 4, ([14], []), ([], []), reset=False), "a gap asks for a resync"
-    assert index.holders(13) == [], "an index out of sync claims nothing"
-    assert not index.on_events("w1", 5, ([15], []), ([], []), reset=False), "asked already"
-    now[0] = 1.5
-    assert index.on_events("w1", 6, ([], []), ([], []), reset=False), "asked again later"
-    assert not index.on_events("w1", 7, ([13, 14], []), ([], []), reset=True)
-    assert index.holders(14) == [("w1", GPU)]
-    assert index.sizes() == {GPU: 2, HOST: 0}
-    # A worker that goes silent leaves the index.
-    now[0] = 7.0
-    index.on_events("w2", 1, ([14], []), ([], []), reset=True)
-    now[0] = 9.0
-    assert index.expire() == ["w1"]
-    assert index.holders(14) == [("w2", GPU)]

@@ -1,14 +1,14 @@
 """`python -m services.kvstore` as the workers and the scheduler meet it: real
 Redis, real NATS, gRPC. Tenants never see each other's blocks, bad requests are
-INVALID_ARGUMENT and change nothing, the global index follows KvEvents and asks
-for a resync after a gap, and the shared tier's changes go out as numbered
+INVALID_ARGUMENT and change nothing, Lookup answers for the shared tier alone
+(the scheduler's index says which workers hold blocks: tests/services/scheduler/
+test_kv_index.py), and the shared tier's changes go out as numbered
 SharedKvEvents starting with a snapshot."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -91,9 +91,8 @@ def test_help_runs():
     assert out.returncode == 0 and "--tenant-quota-bytes" in out.stdout
 
 
-def test_start_asks_workers_to_resync_and_snapshots_redis(mesh):
+def test_start_snapshots_redis(mesh):
     _, _, recorder, _ = mesh
-    recorder.wait_for(KV_RESYNC_SUBJECT, lambda m: m.worker_id == "")
     first = recorder.wait_for(SHARED_KV_SUBJECT, lambda m: m.event_id == 1)
     assert first.reset and list(first.stored) == [SEED_HASH]
 
@@ -144,33 +143,17 @@ def test_bad_requests_are_invalid_argument_and_change_nothing(mesh):
     assert lookup(stub, "bad", [h]).locations == []
 
 
-def _wait_lookup(stub, tenant, hashes, expected, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while (got := holders(lookup(stub, tenant, hashes))) != expected:
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
-
-
-def test_index_follows_kv_events_and_asks_for_a_resync_after_a_gap(mesh):
+def test_lookup_answers_for_the_shared_tier_alone(mesh):
+    """Worker KV events change nothing the store says: which worker holds a block
+    is the scheduler's index."""
     _, stub, recorder, _ = mesh
-    h1, h2, h3, h4 = chain(4, start=3)
-    stub.Put(iter([block("", h1)]))
-    gpu, host = ("w1", kvstore_pb2.KV_TIER_GPU), ("w1", kvstore_pb2.KV_TIER_HOST)
-    shared = ("shared", kvstore_pb2.KV_TIER_SHARED)
-    events = common_pb2.KvEvents(
-        worker_id="w1", event_id=1, reset=True, stored=[h1, h2], host_stored=[h3]
-    )
+    h1, h2, h3 = chain(3, start=3)
+    stub.Put(iter([block("", h1), block("", h3)]))
+    events = common_pb2.KvEvents(worker_id="w1", event_id=1, reset=True, stored=[h1, h2, h3])
     recorder.publish(kv_subject("w1"), events)
-    _wait_lookup(stub, "", [h1, h2, h3, h4], [[gpu, shared], [gpu], [host]])
-    assert lookup(stub, "", [h1, h2, h3]).shared_prefix_blocks == 1
-    recorder.publish(kv_subject("w1"), common_pb2.KvEvents(worker_id="w1", event_id=3))
-    recorder.wait_for(KV_RESYNC_SUBJECT, lambda m: m.worker_id == "w1")
-    _wait_lookup(stub, "", [h1, h2], [[shared]])  # out of sync: claims nothing of w1
-    events.event_id, events.stored[:] = 4, [h1, h2, h4]
-    recorder.publish(kv_subject("w1"), events)  # the worker's answer: a reset batch
-    _wait_lookup(stub, "", [h1, h2, h3, h4], [[gpu, shared], [gpu], [host], [gpu]])
-    stats = stub.Stats(kvstore_pb2.StatsRequest())
-    assert (stats.index_gpu_blocks, stats.index_host_blocks, stats.index_workers) == (3, 1, 1)
+    shared = ("shared", kvstore_pb2.KV_TIER_SHARED)
+    answer = lookup(stub, "", [h1, h2, h3])
+    assert holders(answer) == [[shared]] and answer.shared_prefix_blocks == 1
 
 
 def test_shared_tier_changes_are_published_in_order(mesh):
@@ -205,7 +188,7 @@ def test_stats_and_metrics(mesh):
     assert "yinian:kvstore_redis_seconds_bucket" in text
 
 
-def test_without_redis_it_serves_the_index_only(mesh):
+def test_without_redis_it_stores_nothing_and_says_so(mesh):
     _, _, recorder, nats_url = mesh
     store = KvStoreProcess(nats_url).wait_ready()
     try:
@@ -215,8 +198,7 @@ def test_without_redis_it_serves_the_index_only(mesh):
             (h,) = chain(1, start=6)
             response = stub.Put(iter([block("", h)]))
             assert response.rejected == 1 and "no shared tier" in response.reasons[0]
-            events = common_pb2.KvEvents(worker_id="w9", event_id=1, reset=True, stored=[h])
-            recorder.publish(kv_subject("w9"), events)
-            _wait_lookup(stub, "", [h], [[("w9", kvstore_pb2.KV_TIER_GPU)]])
+            answer = lookup(stub, "", [h])
+            assert answer.locations == [] and answer.shared_prefix_blocks == 0
     finally:
         store.stop()
