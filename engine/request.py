@@ -25,14 +25,18 @@ class EngineRequest:
     namespace: str = ""  # its tenant: equal prefixes share KV only within one
     public_tokens: int = 0  # leading tokens of an operator's public prefix (every tenant's)
     prompt: str | None = None  # the text, when it came as text
-    validated: bool = field(default=False, compare=False)  # set by LLMEngine.validate only
+    # set by LLMEngine.validate only (not an argument: no caller can claim it)
+    validated: bool = field(default=False, init=False, compare=False)
 
     def replace(self, **changes) -> EngineRequest:
-        """A copy with `changes`; it is validated again where it goes in."""
-        return dataclasses.replace(self, validated=False, **changes)
+        """A copy with `changes`, not marked: it is validated again where it goes in."""
+        return dataclasses.replace(self, **changes)
 
     def marked_valid(self) -> EngineRequest:
-        return dataclasses.replace(self, validated=True)
+        """A copy marked valid (LLMEngine.validate's answer)."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "validated", True)  # frozen: the one place it is set
+        return copy
 
     def block_hashes(self, block_size: int) -> list[int]:
         """The chained hashes of its full prompt blocks, salted by its namespace."""

@@ -12,7 +12,8 @@ to a worker (`Decode/Generate`: the tenant a worker serves comes from the
 gateway's credential), only a worker registers (and only itself: the scheduler
 checks the worker id against the caller, `caller_of`), only the KV store's
 clients (workers) read or write blocks, only an expert service registers as an
-expert (itself), only the scheduler moves experts. Methods not named here take
+expert (itself), only the scheduler moves experts, only the owner reads the KV index
+(`Scheduler/Holders`). Methods not named here take
 any service of the mesh. `owner` may call anything (tests, benchmarks, tools).
 
 Without a table (a deployment handing every service one shared secret), any
@@ -38,6 +39,7 @@ POLICY: dict[str, frozenset[str]] = {
     f"{_S}Scheduler/Deregister": WORKERS,
     f"{_S}Scheduler/Place": frozenset({"gateway"}),
     f"{_S}Scheduler/ListWorkers": frozenset({"gateway"}),
+    f"{_S}Scheduler/Holders": frozenset(),  # the mesh's owner (tools) only
     f"{_S}Decode/Generate": frozenset({"gateway"}),
     f"{_S}Decode/Abort": frozenset({"gateway"}),
     f"{_S}Prefill/Prefill": WORKERS,

@@ -7,7 +7,7 @@ from opentelemetry import trace
 from proto.yinian.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.errors import InvalidRequest
 from services.common.grpc_streams import answer_at_once
-from services.common.kv_index import GPU, HOST, SHARED
+from services.common.kv_index import SHARED
 from services.common.telemetry import context_from_grpc, tracer
 from services.kvstore import same_host
 from services.kvstore.fingerprint import Fingerprint
@@ -15,11 +15,7 @@ from services.kvstore.regions import Regions
 from services.kvstore.store import KvStore
 
 _tracer = tracer("yinian.kvstore")
-_TIERS = {
-    GPU: kvstore_pb2.KV_TIER_GPU,
-    HOST: kvstore_pb2.KV_TIER_HOST,
-    SHARED: kvstore_pb2.KV_TIER_SHARED,
-}
+_TIERS = {SHARED: kvstore_pb2.KV_TIER_SHARED}  # Lookup answers for the shared tier alone
 
 
 def fingerprint_of(message) -> Fingerprint:

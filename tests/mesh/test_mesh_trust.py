@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 import grpc
 import nats
@@ -85,11 +86,16 @@ def test_a_service_of_the_mesh_calls_only_what_its_kind_may(guarded_mesh):
         return grpc.StatusCode.OK
 
     fake = scheduler_pb2.WorkerInfo(worker_id="worker-1", address="127.0.0.1:1")
-    denied = grpc.StatusCode.PERMISSION_DENIED
+    denied, ok = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
     assert code(scheduler.Register, fake, mine["worker-0"]) == denied  # another worker
     assert code(scheduler.Register, worker, mine["gateway"]) == denied  # not a worker
     place = scheduler_pb2.PlaceRequest(request_id="x", prompt_tokens=3)
     assert code(scheduler.Place, place, mine["worker-0"]) == denied
+    holders = scheduler_pb2.HoldersRequest(block_hashes=[1])  # the KV index: the owner's only
+    assert code(scheduler.Holders, holders, mine["worker-0"]) == denied
+    assert code(scheduler.Holders, holders, mine["gateway"]) == denied
+    owner = os.environ[mesh_token.ENV]  # this process started the mesh
+    assert owner.startswith("owner.") and code(scheduler.Holders, holders, owner) == ok
     assert code(scheduler.Register, worker, mine["worker-0"]) == grpc.StatusCode.OK  # itself
     forged = "gateway." + mine["worker-0"].partition(".")[2]
     assert code(scheduler.Place, place, forged) == grpc.StatusCode.UNAUTHENTICATED

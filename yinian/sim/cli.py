@@ -55,6 +55,7 @@ def setup(args) -> tuple[SimConfig, StepTimeModel]:
         max_num_batched_tokens=args.max_num_batched_tokens, service_ms=profile.service_ms,
         policy=PlacementPolicy(request_tokens=args.placement_request_tokens,
                                memory_tokens=args.placement_memory_tokens),
+        placement_ms=args.placement_ms,
     )  # fmt: skip
     return config, StepTimeModel(costs, profile)
 
@@ -152,6 +153,9 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--placement-memory-tokens", type=float, default=defaults.memory_tokens,
                    help="the scheduler's flag of that name: what a full device pool "
                    "weighs, in prompt tokens")  # fmt: skip
+    p.add_argument("--placement-ms", type=float,
+                   help="each placement takes this long on the simulation's clock, not its "
+                   "measured wall time: a run that repeats exactly")  # fmt: skip
     p.add_argument("--device", default="h200", choices=profile_names(),
                    help="the fitted device profile (engine/device_profiles)")  # fmt: skip
     p.add_argument("--preset", default="llama3-8b", help="the model whose steps are timed")

@@ -14,7 +14,9 @@ is counted from its arrival; what the services do is not simulated beyond that.
 
 The scheduler is one process: a placement begins when the one before it has
 ended and takes its measured wall time, so the scheduler's own speed limits
-how many requests a second a mesh can take (as it would).
+how many requests a second a mesh can take (as it would). With `placement_ms`
+it takes that fixed time instead, and a run repeats exactly (a measured time
+shifts events by microseconds, which can move a request to another worker).
 
 Placement `kv`: the scheduler's (prefix-aware, load-weighed). `round-robin`:
 the next worker in turn that is not at capacity, for comparison."""
@@ -48,8 +50,13 @@ class SimConfig:
     load_interval: float = 0.5
     kv_interval: float = 0.02
     policy: PlacementPolicy = field(default_factory=PlacementPolicy)
+    # a placement's time on the simulation's clock: its measured wall time (None), or
+    # this many ms (a run that repeats exactly; the wall time is still reported)
+    placement_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.placement_ms is not None and self.placement_ms < 0:
+            raise ValueError(f"placement_ms must be >= 0, got {self.placement_ms}")
         if self.workers < 1:
             raise ValueError(f"the simulation needs at least one worker, got {self.workers}")
         if self.placement not in PLACEMENTS:
@@ -148,6 +155,8 @@ class Cluster:
                 worker = self._place(payload)
                 took = time.perf_counter() - started
                 timings.append(took)
+                if self.config.placement_ms is not None:
+                    took = self.config.placement_ms / 1e3
                 free_at = max(free_at, self.now) + took
                 payload.placed = free_at
                 if worker is None:

@@ -1,6 +1,5 @@
 """The KV store's parts that need no Redis or network: the block format's
-checks, fingerprints, quota files, the numbering of SharedKvEvents, and the
-global index asking for a resync after a gap."""
+checks, fingerprints, quota files and the numbering of SharedKvEvents."""
 
 from __future__ import annotations
 
