@@ -11,13 +11,14 @@ import pytest
 from paths import ROOT
 
 from basis.model_config import ModelConfig
+from bench.loadgen.traces import read_trace
 from engine.make_model import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel
 from services.scheduler.placement import PlacementPolicy
 from yinian.cli import main as yinian_main
 from yinian.sim.block_pool import BlockPool
 from yinian.sim.cluster import Cluster, SimConfig
-from yinian.sim.worker import SimRequest, SimWorker
+from yinian.sim.worker import SimRequest, SimWorker, sim_requests
 
 TRACE = ROOT / "bench" / "loadgen" / "data" / "mooncake_small.jsonl"
 
@@ -169,3 +170,19 @@ def test_the_sim_takes_the_schedulers_placement_weights(model):
                               policy=heavy_policy), model).run(requests)  # fmt: skip
     assert len({r.worker for r in light.requests}) == 1
     assert len({r.worker for r in heavy.requests}) == 3
+
+
+def test_a_fixed_placement_time_makes_a_run_repeat_exactly(model):
+    """--placement-ms: each placement takes that long on the simulation's clock, so two
+    runs of one trace are the same run (measured times shift events a little)."""
+
+    def run():
+        config = SimConfig(workers=4, placement_ms=0.05)
+        requests = sim_requests(read_trace(TRACE))
+        result = Cluster(config, model).run(requests)
+        return [(r.worker, r.first_token, r.finished) for r in result.requests]
+
+    first = run()
+    assert first and first == run()
+    with pytest.raises(ValueError, match="placement_ms"):
+        SimConfig(workers=1, placement_ms=-1.0)
