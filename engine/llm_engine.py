@@ -2,8 +2,9 @@
 abort a request, read statistics and KV events.
 
 `add` validates a request (once: `validate` marks it) before it changes any
-state, so a bad request is a ValueError for its caller only. A step that fails finishes the
-requests in it with an error and leaves the engine serving the rest.
+state, so a bad request is a ValueError for its caller only. A step that fails
+finishes the requests in it with an error and leaves the engine serving the
+rest.
 """
 
 from __future__ import annotations
@@ -181,10 +182,8 @@ class LLMEngine:
         `hold_seconds` keeps the blocks after the request finishes (see disaggregation)."""
         if self.closed:
             raise RuntimeError("the engine is closed")
+        request = self._admit(request)
         request_id = request.request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.validate(request)
         if handoff is not None and request.params.n != 1:
             raise ValueError("a request handed off to another worker must have n == 1")
         arrival = time.monotonic()
@@ -204,6 +203,12 @@ class LLMEngine:
         for seq in seqs:
             seq.hold_blocks = hold_seconds is not None
             self.scheduler.add(seq)
+
+    def _admit(self, request: EngineRequest) -> EngineRequest:
+        """The checks every way in makes: an id not in use, the request valid."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        return self.validate(request)
 
     def _new_sequence(self, request: EngineRequest, index: int, arrival: float) -> Sequence:
         params = request.params
@@ -276,9 +281,7 @@ class LLMEngine:
     def reserve_remote(self, request: EngineRequest, *, delta: bool = False) -> Reservation | None:
         """Makes the request and blocks for its whole prompt, to be filled from
         outside; None when the blocks are not free now (run it locally instead)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        request = self.validate(request)
+        request = self._admit(request)
         if request.params.n != 1:
             raise ValueError("remote prefill needs n == 1")
         self.stepper.settle()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from basis.block_hash import cached_prompt_blocks
 from basis.sampling_params import SamplingParams
 
 
@@ -37,7 +36,3 @@ class EngineRequest:
         copy = dataclasses.replace(self)
         object.__setattr__(copy, "validated", True)  # frozen: the one place it is set
         return copy
-
-    def block_hashes(self, block_size: int) -> list[int]:
-        """The chained hashes of its full prompt blocks, salted by its namespace."""
-        return cached_prompt_blocks(self.prompt_ids, block_size, self.namespace, self.public_tokens)

@@ -7,7 +7,8 @@ in the numbering (a lost message) drops the holder's entries and marks it
 for a resync (its answer is a reset batch), so the index may under-report a
 holder for a moment but never keeps claiming blocks it lacks.
 
-The scheduler keeps one for placement, the KV store keeps one for Lookup.
+The scheduler keeps the mesh's one index: for placement, and for
+`Scheduler.Holders`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from functools import reduce
 from itertools import compress
 from operator import or_
 
+from services.common.errors import InvalidRequest
+
 GPU, HOST, SHARED = "gpu", "host", "shared"
 TIERS = (GPU, HOST, SHARED)
 Counts = tuple[int, int, int]  # a prefix's blocks in the GPU, host and shared tiers
 SHARED_HOLDER = "shared"  # the holder id of the shared tier
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")
+MAX_BLOCKS_PER_CALL = 16_384  # block hashes in one call (a 256k-token prompt at 16 a block)
+
+
+def check_block_count(hashes) -> None:
+    """InvalidRequest when a call names more blocks than MAX_BLOCKS_PER_CALL."""
+    if len(hashes) > MAX_BLOCKS_PER_CALL:
+        raise InvalidRequest(f"{len(hashes)} block hashes; at most {MAX_BLOCKS_PER_CALL} per call")
 
 
 class KvIndex:

@@ -52,9 +52,9 @@ class DecodeCore:
         timing: RequestTiming | None = None,
         prefill_address: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the engine's delta outputs (those with news: tokens or an end).
-        With `resume_token_ids` (a migrated request) the engine continues after
-        them and they are not sent again."""
+        """Streams the engine's delta outputs (services/worker/wire.py sends those
+        with news: tokens or an end). With `resume_token_ids` (a migrated request)
+        the engine continues after them and they are not sent again."""
         resume = list(resume_token_ids or [])
         if resume:
             request = _resumed(request, resume)

@@ -11,10 +11,11 @@ import asyncio
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
+from services.common.kv_index import check_block_count
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.regions import Regions
 from services.kvstore.shared_tier import PutOutcome
-from services.kvstore.store import KvStore, check_hashes, check_tenant
+from services.kvstore.store import KvStore, check_tenant
 
 # The caller unpins its slots (and may reuse them) once its deadline passes: the store
 # stops touching them this long before.
@@ -38,7 +39,7 @@ def _check(store: KvStore, region: Region, offsets) -> None:
         raise InvalidRequest(
             f"block_bytes {region.block_bytes}; at most {store.max_block_bytes} (--max-block-bytes)"
         )
-    check_hashes(offsets)
+    check_block_count(offsets)
     for offset in offsets:
         if offset + region.block_bytes > region.size:
             raise InvalidRequest(f"a block at offset {offset} ends past the region's end")

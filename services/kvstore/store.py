@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from services.common import metrics
 from services.common.errors import InvalidRequest
 from services.common.kv_checksum import block_checksum
-from services.common.kv_index import SHARED, SHARED_HOLDER
+from services.common.kv_index import SHARED, SHARED_HOLDER, check_block_count
 from services.kvstore.block_format import Block
 from services.kvstore.fingerprint import Fingerprint
 from services.kvstore.ledger import Ledger, TenantCounters
@@ -20,7 +20,6 @@ from services.kvstore.memory_tier import LEND_SECONDS, MemoryTier
 from services.kvstore.redis_guard import TierUnavailable
 from services.kvstore.shared_tier import PutOutcome, SharedTier
 
-MAX_BLOCKS_PER_REQUEST = 16_384  # hashes in one Lookup or Get (a 256k-token prompt at 16)
 MAX_TENANT_CHARS = 256
 
 
@@ -72,13 +71,6 @@ def check_tenant(tenant: str) -> None:
         raise InvalidRequest(f"tenant is longer than {MAX_TENANT_CHARS} characters")
 
 
-def check_hashes(hashes) -> None:
-    if len(hashes) > MAX_BLOCKS_PER_REQUEST:
-        raise InvalidRequest(
-            f"{len(hashes)} block hashes; at most {MAX_BLOCKS_PER_REQUEST} per request"
-        )
-
-
 class KvStore:
     def __init__(
         self,
@@ -117,7 +109,7 @@ class KvStore:
 
     async def lookup(self, tenant: str, fingerprint: Fingerprint, hashes) -> LookupResult:
         check_tenant(tenant)
-        check_hashes(hashes)
+        check_block_count(hashes)
         hashes = list(hashes)
         mem, red = await self._owners(tenant, fingerprint, hashes)
         locations = []
@@ -127,7 +119,7 @@ class KvStore:
             locations.append(Location(h, [(SHARED_HOLDER, SHARED)]))
         shared_prefix = len(locations)
         if self.shared:
-            n = len(locations)
+            n = shared_prefix  # the blocks it reports: leased
             await self._lease(fingerprint, hashes[:n], mem[:n], red[:n])
             self.ledger.looked_up(
                 tenant, shared_prefix, len(hashes) - shared_prefix, fingerprint.block_size
@@ -201,7 +193,7 @@ class KvStore:
         buffers, one per hash): the memory tier's in one threaded copy, then Redis's
         while `late()` is false; (parent hash, checksum) of each block written."""
         check_tenant(tenant)
-        check_hashes(hashes)
+        check_block_count(hashes)
         out: list[tuple[int, int]] = []
         mem = self.memory
         if mem is not None and targets and len(targets[0]) == mem.slot_bytes:
@@ -232,7 +224,7 @@ class KvStore:
         copy out of the shared region itself (and verify); with no hashes, only the
         region (a worker mapping it ahead of any block)."""
         check_tenant(tenant)
-        check_hashes(hashes)
+        check_block_count(hashes)
         if block_bytes <= 0 or block_bytes > self.max_block_bytes:
             raise InvalidRequest(
                 f"block_bytes {block_bytes}; at most {self.max_block_bytes} (--max-block-bytes)"
@@ -251,7 +243,7 @@ class KvStore:
     async def get(self, tenant: str, fingerprint: Fingerprint, hashes) -> AsyncIterator[Block]:
         """The leading blocks the shared tier can serve, verified, in order."""
         check_tenant(tenant)
-        check_hashes(hashes)
+        check_block_count(hashes)
         hashes = list(hashes)
         served = nbytes = 0
         try:

@@ -1,5 +1,5 @@
 """The prefill service's gRPC servicer: decode the handoff request, run the
-prefill core, encode its result (services/worker/wire.py) (the span is in tracing.py)."""
+prefill core, encode its result (services/worker/wire.py; the span is in tracing.py)."""
 
 from __future__ import annotations
 

@@ -8,14 +8,13 @@ from opentelemetry import trace
 
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import mesh_token, metrics
-from services.common.kv_index import GPU, HOST, SHARED, KvIndex
+from services.common.kv_index import GPU, HOST, SHARED, KvIndex, check_block_count
 from services.common.telemetry import context_from_grpc, tracer
 from services.scheduler.placement import PlacementPolicy, place
 from services.scheduler.registry import Registry, WorkerState
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("yinian.scheduler")
-MAX_HOLDER_HASHES = 16_384  # hashes in one Holders call (a 256k-token prompt at 16)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -121,8 +120,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Holders(self, request, context):
         """Who holds each leading block of a prompt, from the mesh's one KV index."""
         hashes = request.block_hashes
-        if len(hashes) > MAX_HOLDER_HASHES:
-            raise ValueError(f"{len(hashes)} block hashes; at most {MAX_HOLDER_HASHES} a call")
+        check_block_count(hashes)
         out = scheduler_pb2.HoldersResponse()
         for block_hash in hashes:
             held = self.index.holders(block_hash)
