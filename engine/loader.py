@@ -93,12 +93,32 @@ def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype
     return t.to(dtype)
 
 
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`model.to_empty(device=device).to(dtype)` without either step's cost: each meta
+    tensor becomes an empty one on the device, floating point ones in `dtype` (no float32
+    copy first), made from its shape (torch's meta `empty_like` imports sympy on first use:
+    a second of CPU in every engine process). Each name gets its own storage, as with
+    `to_empty`."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        kind = dtype if t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=kind, device=device)
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(param), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
+
+
 def build_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, layer_range=None
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config, layer_range)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     tied = model.embed_tokens is not None and model.lm_head is not None
     if config.tie_word_embeddings and tied:  # to_empty gives each name its own storage
         model.lm_head = model.embed_tokens

@@ -21,7 +21,6 @@ from engine.micro_batch import MicroBatchPolicy, run_micro_batches
 from engine.models.deepseek_moe import DeepseekMoE
 from engine.models.layers import MLP, Attention, RMSNorm, SparseMoE
 from engine.models.mla import MLAttention
-from engine.models.rotary import cos_sin_table
 from engine.parallel import comm
 
 
@@ -79,7 +78,11 @@ class CausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(torch.empty(shape))
-        self.register_buffer("cos_sin", cos_sin_table(config), persistent=False)
+        # the shape only: the model is built on the meta device and build_model sets the
+        # table (computing it there would dispatch through torch's reference ops, whose
+        # first use imports torch._dynamo: 2 s of CPU in every engine process)
+        rows, width = config.max_position_embeddings, config.head_dim
+        self.register_buffer("cos_sin", torch.empty(rows, width), persistent=False)
         self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
         self.experts: ExpertBackend = LOCAL_EXPERTS
         self.micro_batching: MicroBatchPolicy | None = None  # ping-pong micro-batches
