@@ -120,7 +120,7 @@ def build_model(
         model = CausalLM(config, layer_range)
     _materialize(model, device, dtype)
     tied = model.embed_tokens is not None and model.lm_head is not None
-    if config.tie_word_embeddings and tied:  # to_empty gives each name its own storage
+    if config.tie_word_embeddings and tied:  # _materialize gives each name its own storage
         model.lm_head = model.embed_tokens
     for module in model.modules():  # e.g. DeepSeek's routers stay float32
         for name in getattr(module, "float32_params", ()):
