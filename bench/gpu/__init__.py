@@ -29,6 +29,7 @@ SCRIPTS = (
     "hit_check",
     "prompt_rows",
     "lend_copy",
+    "pinned_cost",
     "experts",
     "parallel",
     "long_streams",

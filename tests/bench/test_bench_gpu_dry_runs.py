@@ -65,6 +65,7 @@ EXPECTED = {
     },
     "kv_serving": {"ceilings": "ok", "default": "ok", "bare": "ok"},
     "lend_copy": {"ceilings": "ok", "host_tier": "ok", "store_region": "ok"},
+    "pinned_cost": {"ceilings": "ok", "registered": "ok", "host_tier": "ok"},
     "host_writes": {"ceilings": "ok", "alone": "ok", "steps": "ok"},
     "hit_check": {
         "ceilings": "ok",
