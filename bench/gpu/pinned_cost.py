@@ -7,10 +7,13 @@ H200, 8 req/s of fresh 1024 -> 128 prompts, each such mesh took more host and
 device time a step than the mesh with neither (bench/results/kv_serving_s59*.json).
 Here one engine (llama3-8b, bf16, dummy weights, no host tier) is measured in
 turn with nothing registered, with a host-tier-like region registered, and with a
-store-like region registered beside it, then nothing again, twice over: the same
-steps, the only difference the registered memory. Then, with nothing registered,
-the same engine settings with a host tier of the default size (its bookkeeping
-and its own registration) are built and measured once more.
+store-like region registered beside it, then nothing, then as much memory pinned
+by the driver's own allocator (`torch.empty(pin_memory=True)`, not a `/dev/shm`
+file), then nothing, twice over: the same steps, the only difference the pinned
+memory. Then, with nothing registered, the same engine settings with a host
+tier of that size (its bookkeeping and its own registration) are built and
+measured once more. The ceilings also hold the host's transparent huge page
+settings.
 
 Per state: pure decode (batch 32 at 1k context: ms a step), mixed work (48 fresh
 1024 -> 128 prompts offline: output tokens/s, the engine's host and device time
@@ -40,7 +43,7 @@ from engine.store_memory import StoreMemory
 
 GPU = ("llama3-8b", 32, 1024, 64, 48, 128)  # preset, decode batch, context, steps, prompts, out
 DRY = ("tiny-llama", 4, 32, 8, 4, 8)
-STATES = ("none", "host", "host+store", "none") * 2
+STATES = ("none", "host", "host+store", "none", "alloc", "none") * 2
 GRANULE = 2 << 20  # a llama3-8b block
 
 
@@ -97,6 +100,18 @@ def measure_state(llm: LLM, shape: tuple, device: str) -> dict:
     }  # fmt: skip
 
 
+def huge_page_settings() -> dict:
+    folder = "/sys/kernel/mm/transparent_hugepage"
+    out = {}
+    for name in ("enabled", "shmem_enabled"):
+        try:
+            with open(f"{folder}/{name}") as f:
+                out[name] = f.read().strip()
+        except OSError as exc:
+            out[name] = f"unreadable: {exc}"
+    return out
+
+
 class Registered:
     """A host-tier-like region (engine/host_memory.allocate: a /dev/shm file,
     registered portable and mapped) and a store-like one (a `yinian-store-` file
@@ -104,7 +119,7 @@ class Registered:
 
     def __init__(self, nbytes: int, cuda: bool):
         self.nbytes, self.cuda = nbytes, cuda
-        self.host = self.store = None
+        self.host = self.store = self.alloc = None
         self.store_path = shm_dir() / f"{STORE_PREFIX}{os.getpid()}-bench"
 
     def set(self, state: str) -> float:
@@ -118,9 +133,12 @@ class Registered:
             with open(self.store_path, "wb") as f:
                 f.truncate(self.nbytes)
             self.store = StoreMemory(str(self.store_path), self.nbytes, GRANULE, self.cuda)
+        if state == "alloc" and self.alloc is None:
+            self.alloc = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         return time.perf_counter() - start
 
     def close(self) -> None:
+        self.alloc = None
         if self.host is not None:
             self.host.close()
             self.host = None
@@ -137,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = GPU if args.device == "cuda" else DRY
     with Sections(args, script="pinned_cost", preset=shape[0]) as section:
         device = section.device
-        section("ceilings", lambda: measure(device))
+        section("ceilings", lambda: measure(device) | {"thp": huge_page_settings()})
         folder, _ = preset_folder(section.tmp, shape[0])
         nbytes = int(args.gib * (1 << 30)) if section.cuda else 1 << 20
 
