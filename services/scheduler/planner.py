@@ -11,8 +11,13 @@ interval saw (requests, TTFT and ITL p99, workers); it
    the intervals so far; a rise only: a horizon past the next interval covers the
    time a new worker takes to start, while stopping one is at once);
 2. corrects the profile by what it saw: p = observed TTFT p99 / the profile's at
-   the observed rate a worker, d the same for ITL (each within [0.5, 4] and
-   averaged with the last: one noisy interval cannot swing the fleet);
+   the observed rate a worker, d the same for ITL, each within [1, 4] and moved
+   `correction_weight` of the way from the last (one noisy interval cannot swing
+   the fleet). Only an interval that ends with as many workers serving as the
+   one before teaches: one in which workers joined or left mixes two fleets, the
+   overload before a start with the relief after it. Never below 1: the profile is
+   one worker under a steady load; a fleet serving a light load can look better
+   than that, and a correction learnt there would stop workers the next rise needs;
 3. chooses the fewest workers, within [min, max], whose predicted rate a worker
    the profile, times the corrections, serves within both SLOs (times the
    headroom, the share of each SLO aimed at); fewer workers
@@ -85,6 +90,7 @@ class PlannerConfig:
     horizon: float = 1.0  # intervals ahead to predict
     down_after: int = 2  # decisions in a row below the workers serving, to scale down
     headroom: float = 1.0  # aim at this share of each SLO (below 1: room for a surprise)
+    correction_weight: float = 0.3  # how far one interval moves the corrections
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
@@ -97,6 +103,8 @@ class PlannerConfig:
             raise ValueError("the planner's horizon must be > 0 and down_after >= 1")
         if not 0.0 < self.headroom <= 1.0:
             raise ValueError("the planner's headroom must be in (0, 1]")
+        if not 0.0 < self.correction_weight <= 1.0:
+            raise ValueError("the planner's correction weight must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class Decision:
     itl_correction: float
 
 
-_CLAMP = (0.5, 4.0)
+_CLAMP = (1.0, 4.0)
 
 
 def _clamp(x: float) -> float:
@@ -135,6 +143,7 @@ class SlaPlanner:
     d: float = 1.0
     decisions: list[Decision] = field(default_factory=list)
     wanted: list[int] = field(default_factory=list)  # what each interval's figures asked
+    last_workers: int | None = None  # serving at the last decision (None: none yet)
 
     def decide(self, stats: IntervalStats) -> Decision:
         rate = stats.requests / self.config.interval
@@ -147,12 +156,15 @@ class SlaPlanner:
         # a rise is met ahead (a new worker takes time to start); a fall is not
         # anticipated (stopping a worker is at once)
         predicted = max(0.0, self.level + max(self.slope, 0.0) * self.config.horizon)
-        if stats.workers and rate > 0:
+        steady = self.last_workers in (None, stats.workers)
+        self.last_workers = stats.workers
+        if steady and stats.workers and rate > 0:
             expected_ttft, expected_itl = self.profile.at(rate / stats.workers)
+            w = self.config.correction_weight
             if stats.ttft_p99_ms is not None and math.isfinite(expected_ttft):
-                self.p = (self.p + _clamp(stats.ttft_p99_ms / expected_ttft)) / 2
+                self.p += w * (_clamp(stats.ttft_p99_ms / expected_ttft) - self.p)
             if stats.itl_p99_ms is not None and math.isfinite(expected_itl):
-                self.d = (self.d + _clamp(stats.itl_p99_ms / expected_itl)) / 2
+                self.d += w * (_clamp(stats.itl_p99_ms / expected_itl) - self.d)
         wanted = self.workers_for(predicted)
         self.wanted.append(wanted)
         if stats.workers and wanted < stats.workers:

@@ -1,5 +1,6 @@
 """The SLA planner: a profile read between its rates, the rate predicted ahead,
-corrections from what an interval saw, scaling down only when decisions agree;
+corrections from what an interval of an unchanged fleet saw (never below the
+profile), scaling down only when decisions agree;
 driving a simulated mesh, it adds workers as a trace's rate triples and drains
 them as it falls, losing no request; `yinian sim --planner-rate` writes its run."""
 
@@ -29,7 +30,7 @@ def test_the_profile_is_read_between_its_rates_and_never_past_them():
     with pytest.raises(ValueError, match="equally many"):
         CapacityProfile((1.0,), (1.0, 2.0), (1.0,))
     for bad in (dict(interval=0), dict(min_workers=3, max_workers=2), dict(headroom=1.5),
-                dict(down_after=0)):  # fmt: skip
+                dict(down_after=0), dict(correction_weight=0)):  # fmt: skip
         with pytest.raises(ValueError):
             PlannerConfig(**bad)
 
@@ -47,15 +48,32 @@ def test_the_planner_meets_a_rise_ahead_and_scales_down_only_when_it_agrees():
     rising = planner.decide(IntervalStats(600, 300.0, 30.0, 2))  # as profiled at 30 a worker
     assert rising.predicted_rate == pytest.approx(60 + 0.5 * 30 * 2)
     assert rising.workers == planner.workers_for(rising.predicted_rate) == 3
-    # latencies twice the profile's: the corrections move halfway, more workers follow
-    slow = planner.decide(IntervalStats(600, 400.0, 40.0, 3))
-    assert (slow.ttft_correction, slow.itl_correction) == pytest.approx((1.5, 1.5))
+    # a worker joined during this interval: what it saw mixes two fleets, and teaches
+    # nothing, even with latencies three times the profile's
+    joined = planner.decide(IntervalStats(600, 600.0, 60.0, 3))
+    assert (joined.ttft_correction, joined.itl_correction) == (1.0, 1.0)
+    # the same on the same three workers: the corrections move 0.3 of the way, more follow
+    slow = planner.decide(IntervalStats(600, 600.0, 60.0, 3))
+    assert (slow.ttft_correction, slow.itl_correction) == pytest.approx((1.6, 1.6))
     assert slow.workers > 3
     # the rate falls: fewer workers only once two decisions in a row ask for fewer
     now = slow.workers
     assert planner.decide(IntervalStats(100, 100.0, 10.0, now)).workers == now
     later = planner.decide(IntervalStats(100, 100.0, 10.0, now))
     assert later.workers < now
+
+
+def test_latencies_below_the_profile_never_let_the_planner_plan_below_it():
+    config = PlannerConfig(interval=10.0, ttft_slo_ms=300.0, itl_slo_ms=30.0, max_workers=20)
+    planner = SlaPlanner(config, PROFILE)
+    # 2 workers at 15 req/s each, half the profile's latencies: taken as the profile's
+    light = planner.decide(IntervalStats(300, 75.0, 7.5, 2))
+    assert (light.ttft_correction, light.itl_correction) == (1.0, 1.0)
+    # slower than profiled, then faster again: the corrections come back down to 1
+    slow = planner.decide(IntervalStats(300, 300.0, 30.0, 2))
+    assert (slow.ttft_correction, slow.itl_correction) == pytest.approx((1.3, 1.3))
+    back = planner.decide(IntervalStats(300, 75.0, 7.5, 2))
+    assert (back.ttft_correction, back.itl_correction) == pytest.approx((1.21, 1.21))
 
 
 @pytest.fixture(scope="module")
