@@ -6,14 +6,13 @@ KV store's memory tier, which the worker maps and registers in chunks. On the
 H200, 8 req/s of fresh 1024 -> 128 prompts, each such mesh took more host and
 device time a step than the mesh with neither (bench/results/kv_serving_s59*.json).
 Here one engine (llama3-8b, bf16, dummy weights, no host tier) is measured in
-turn with nothing registered, with a host-tier-like region registered, and with a
-store-like region registered beside it, then nothing, then as much memory pinned
-by the driver's own allocator (`torch.empty(pin_memory=True)`, not a `/dev/shm`
-file), then nothing, twice over: the same steps, the only difference the pinned
-memory. Then, with nothing registered, the same engine settings with a host
-tier of that size (its bookkeeping and its own registration) are built and
-measured once more. The ceilings also hold the host's transparent huge page
-settings.
+turn with nothing registered, a host-tier-like region registered, a store-like
+region alone, both, then as much memory pinned by the driver's own allocator
+(`torch.empty(pin_memory=True)`, not a `/dev/shm` file) alone, then nothing, twice
+over: the same steps, the only difference the pinned memory. Then, with nothing
+registered, the same engine settings with a host tier of that size (its
+bookkeeping and its own registration) are built and measured once more. The
+ceilings also hold the host's transparent huge page settings.
 
 Per state: pure decode (batch 32 at 1k context: ms a step), mixed work (48 fresh
 1024 -> 128 prompts offline: output tokens/s, the engine's host and device time
@@ -43,7 +42,7 @@ from engine.store_memory import StoreMemory
 
 GPU = ("llama3-8b", 32, 1024, 64, 48, 128)  # preset, decode batch, context, steps, prompts, out
 DRY = ("tiny-llama", 4, 32, 8, 4, 8)
-STATES = ("none", "host", "host+store", "none", "alloc", "none") * 2
+STATES = ("none", "host", "store", "host+store", "alloc", "none") * 2
 GRANULE = 2 << 20  # a llama3-8b block
 
 
@@ -123,29 +122,31 @@ class Registered:
         self.store_path = shm_dir() / f"{STORE_PREFIX}{os.getpid()}-bench"
 
     def set(self, state: str) -> float:
-        """Moves to `state`; the seconds the registrations took."""
+        """Moves to `state` ("none", or its regions joined by "+"), unpinning what it
+        does not hold; the seconds the (un)registrations took."""
+        parts = set(state.split("+")) - {"none"}
         start = time.perf_counter()
-        if state == "none":
-            self.close()
-        if "host" in state and self.host is None:
+        self.close(keep=parts)
+        if "host" in parts and self.host is None:
             self.host = allocate((self.nbytes,), torch.uint8, self.cuda)
-        if "store" in state and self.store is None:
+        if "store" in parts and self.store is None:
             with open(self.store_path, "wb") as f:
                 f.truncate(self.nbytes)
             self.store = StoreMemory(str(self.store_path), self.nbytes, GRANULE, self.cuda)
-        if state == "alloc" and self.alloc is None:
+        if "alloc" in parts and self.alloc is None:
             self.alloc = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         return time.perf_counter() - start
 
-    def close(self) -> None:
-        self.alloc = None
-        if self.host is not None:
+    def close(self, keep: set[str] = frozenset()) -> None:
+        if "alloc" not in keep:
+            self.alloc = None
+        if "host" not in keep and self.host is not None:
             self.host.close()
             self.host = None
-        if self.store is not None:
+        if "store" not in keep and self.store is not None:
             self.store.close()
             self.store = None
-        self.store_path.unlink(missing_ok=True)
+            self.store_path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
