@@ -64,9 +64,10 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> dict:
     }
 
 
-def offline_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int) -> dict:
+def offline_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int,
+                       seed: int = 7) -> dict:  # fmt: skip
     vocab = llm.engine.model_config.vocab_size
-    prompts = random_prompts(num_prompts, input_len, vocab, seed=7)
+    prompts = random_prompts(num_prompts, input_len, vocab, seed=seed)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     sync(llm)

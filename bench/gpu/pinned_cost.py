@@ -26,6 +26,7 @@ the same states on tiny-llama with nothing registered (there is no driver).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -76,10 +77,13 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_SEEDS = itertools.count(100)  # each mixed run's prompts its own: no prefix cache hits
+
+
 def measure_state(llm: LLM, shape: tuple, device: str) -> dict:
     _, batch, context, steps, prompts, out = shape
     before = step_figures(llm)
-    mixed = offline_throughput(llm, prompts, context, out)
+    mixed = offline_throughput(llm, prompts, context, out, seed=next(_SEEDS))
     after = step_figures(llm)
     d = {k: after[k] - before[k] for k in after}
     n = d["num_steps"] or 1
