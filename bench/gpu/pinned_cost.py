@@ -62,19 +62,15 @@ def step_figures(llm: LLM) -> dict:
                               "steps_device_timed")}  # fmt: skip
 
 
-def launch_us(device: str, ops: int = 2000) -> float:
-    x = torch.zeros(16, device=device)
-    sync_device(device)
+def launch_us(llm: LLM, ops: int = 2000) -> float:
+    """The µs a small op takes to queue and run on the engine's device."""
+    x = torch.zeros(16, device=llm.engine.facts.device)
+    sync(llm)
     start = time.perf_counter()
     for _ in range(ops):
         x.add_(1.0)
-    sync_device(device)
+    sync(llm)
     return (time.perf_counter() - start) / ops * 1e6
-
-
-def sync_device(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 _SEEDS = itertools.count(100)  # each mixed run's prompts its own: no prefix cache hits
@@ -98,7 +94,7 @@ def measure_state(llm: LLM, shape: tuple, device: str) -> dict:
             d["step_device_seconds"] / d["steps_device_timed"] * 1e3
             if d["steps_device_timed"] else None
         ),
-        "launch_us_per_op": launch_us(device),
+        "launch_us_per_op": launch_us(llm),
         "copy_gbps": copy_bandwidth(1 << 30 if device == "cuda" else 1 << 20, device),
     }  # fmt: skip
 
