@@ -120,9 +120,9 @@ def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
         for i, p in enumerate(ours):  # computed here, written through during a window
             async for _out in llm.generate(p, SamplingParams(max_tokens=1), f"o{i}"):
                 pass
-        ratios, busy_gaps, fetched, passes = [], [], 0, 0
-        while passes < PASSES and (not ratios or min(ratios) >= 1.05):
-            quiet, busy = [], []
+        ratios, max_gaps, fetched, passes = [], [], 0, 0
+        while passes < PASSES and not (ratios and min(ratios) < 1.05 and min(max_gaps) < DELAY):
+            quiet, busy, busy_gaps = [], [], []
             for n in range(passes * ROUNDS, (passes + 1) * ROUNDS):
                 start = len(steps)
                 lengths = await decode_window(llm, prompts(8, 40, seed=100 + n), f"q{n}")
@@ -146,11 +146,12 @@ def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
                 assert time.monotonic() - began >= 2 * DELAY  # the store really was slow
                 assert decoded - began > 2 * DELAY  # and the decoding overlapped it
             ratios.append(statistics.median(busy) / statistics.median(quiet))
+            max_gaps.append(max(busy_gaps))
             passes += 1
         llm.close()
-        return ratios, busy_gaps, fetched, passes, shared.stats
+        return ratios, max_gaps, fetched, passes, shared.stats
 
-    ratios, busy_gaps, fetched, passes, stats = asyncio.run(run())
+    ratios, max_gaps, fetched, passes, stats = asyncio.run(run())
     # 96-token prompts: 5 blocks each can be fetched (one token is always computed)
     assert fetched == passes * per_pass * 5 * 16 and stats.fetched_blocks == passes * per_pass * 5
     assert stats.written_blocks == passes * per_pass * 6 and stats.dropped_blocks == 0
@@ -160,5 +161,8 @@ def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
     # over the bound is measured again, at most PASSES times in all.
     assert min(ratios) < 1.05, ratios
     # and the engine's thread never waited for the store between steps: a round trip to
-    # it takes at least 2 * DELAY
-    assert max(busy_gaps) < DELAY, max(busy_gaps)
+    # it takes at least 2 * DELAY. Every round of every pass reads and writes through the
+    # store, so a thread that waited on it would show such a gap in each pass; a single
+    # gap from the machine descheduling the thread (CI once saw 0.38 s in one pass of a
+    # full suite run) is measured again like the ratio.
+    assert min(max_gaps) < DELAY, max_gaps
