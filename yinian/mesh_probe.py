@@ -3,6 +3,7 @@ worker's Prometheus metrics (for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import httpx
@@ -40,10 +41,22 @@ def worker_metric(mesh, name: str, role: str | None = None, where: str = "") -> 
     return out
 
 
+@functools.cache
+def _client(verify) -> httpx.Client:
+    """One client per verification setting (True, or a mesh's SSL context), each request
+    on a new connection as `httpx.get` would: a new client loads the CA bundle again,
+    about 20 ms of CPU, and tests and benchmarks scrape in loops."""
+    return httpx.Client(timeout=5, verify=verify, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def http_get(url: str, verify=True) -> httpx.Response:
+    return _client(verify).get(url)
+
+
 def scrape(url: str, name: str, where: str = "", verify=True) -> float:
     """The sum of the samples of metric `name` (every label set containing `where`)
     at a /metrics URL."""
-    return sample_sum(httpx.get(url, timeout=5, verify=verify).text, name, where)
+    return sample_sum(http_get(url, verify).text, name, where)
 
 
 def sample_sum(text: str, name: str, where: str = "") -> float:
@@ -71,7 +84,7 @@ def scheduler_metric(mesh, name: str, where: str = "") -> float:
 
 def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
     """holder -> how many blocks the scheduler's KV index knows it has in `tier`."""
-    text = httpx.get(mesh.metrics_endpoints()["scheduler"], timeout=5).text
+    text = http_get(mesh.metrics_endpoints()["scheduler"]).text
     return {
         sample.labels["holder"]: sample.value
         for family in text_string_to_metric_families(text)

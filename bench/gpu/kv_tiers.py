@@ -26,7 +26,7 @@ from bench.gpu.timing import median_ms
 from bench.otlp_receiver import OtlpReceiver, stages
 from engine import LLM, SamplingParams
 from yinian.mesh import Mesh
-from yinian.mesh_probe import list_workers, wait_store_mapped, worker_metric
+from yinian.mesh_probe import http_get, list_workers, wait_store_mapped, worker_metric
 
 
 def host_load(
@@ -244,7 +244,7 @@ def _wait_healthy(mesh: Mesh, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{mesh.url}/health", timeout=5).status_code == 200:
+            if http_get(f"{mesh.url}/health").status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -13,11 +13,9 @@ import json
 import threading
 from pathlib import Path
 
-import httpx
-
 from bench.loadgen.cli import run as bench_run
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import sample_sum, scheduler_metric, worker_metric
+from yinian.mesh_probe import http_get, sample_sum, scheduler_metric, worker_metric
 
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -140,7 +138,7 @@ def _store(mesh: Mesh) -> dict:
     url = mesh.metrics_endpoints().get("kvstore")
     if url is None:
         return {}
-    page = httpx.get(url, timeout=5).text  # one read: every figure from the same moment
+    page = http_get(url).text  # one read: every figure from the same moment
     out = {"memory_blocks": sample_sum(page, "yinian:kvstore_memory_blocks")}
     for name, label, values in (
         ("lookup_blocks_total", "result", ("hit", "miss")),
