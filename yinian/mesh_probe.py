@@ -42,15 +42,19 @@ def worker_metric(mesh, name: str, role: str | None = None, where: str = "") -> 
 
 
 @functools.cache
-def _client(verify) -> httpx.Client:
-    """One client per verification setting (True, or a mesh's SSL context), each request
-    on a new connection as `httpx.get` would: a new client loads the CA bundle again,
-    about 20 ms of CPU, and tests and benchmarks scrape in loops."""
-    return httpx.Client(timeout=5, verify=verify, limits=httpx.Limits(max_keepalive_connections=0))
+def _default_client() -> httpx.Client:
+    """The client of every default-verified GET, each request on a new connection as
+    `httpx.get` would: a new client loads the CA bundle again, about 20 ms of CPU, and
+    tests and benchmarks scrape in loops."""
+    return httpx.Client(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def http_get(url: str, verify=True) -> httpx.Response:
-    return _client(verify).get(url)
+    """GET with a 5 s timeout; a TLS mesh's own SSL context (`verify`) gets a client of
+    its own, as with `httpx.get` (a mesh builds a new context at each call)."""
+    if verify is True:
+        return _default_client().get(url)
+    return httpx.get(url, timeout=5, verify=verify)
 
 
 def scrape(url: str, name: str, where: str = "", verify=True) -> float:
