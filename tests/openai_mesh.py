@@ -3,12 +3,15 @@ colocated CPU worker, real processes on loopback, started once per session."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import openai
 import pytest
 
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh_probe import default_tls
 
 MODEL = "pydoc-llama"
 
@@ -26,8 +29,13 @@ def default_mesh_fixture():
 
 
 def client(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0)
+    return _client(mesh.url)
+
+
+@functools.cache
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def post(mesh, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{mesh.url}{path}", json=body, timeout=120)
+    return httpx.post(f"{mesh.url}{path}", json=body, timeout=120, verify=default_tls())

@@ -4,6 +4,7 @@ worker's Prometheus metrics (for tests and benchmarks)."""
 from __future__ import annotations
 
 import functools
+import ssl
 import time
 
 import httpx
@@ -42,11 +43,21 @@ def worker_metric(mesh, name: str, role: str | None = None, where: str = "") -> 
 
 
 @functools.cache
+def default_tls() -> ssl.SSLContext:
+    """The SSL context httpx builds for `verify=True`, built once per process: every
+    new client builds its own, loading the CA bundle again (about 20 ms of CPU), so a
+    client made per request (a fresh connection each time, as tests and benchmarks
+    want) passes this as its `verify`."""
+    return httpx.create_ssl_context()
+
+
+@functools.cache
 def _default_client() -> httpx.Client:
     """The client of every default-verified GET, each request on a new connection as
     `httpx.get` would: a new client loads the CA bundle again, about 20 ms of CPU, and
     tests and benchmarks scrape in loops."""
-    return httpx.Client(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=5, limits=limits, verify=default_tls())
 
 
 def http_get(url: str, verify=True) -> httpx.Response:

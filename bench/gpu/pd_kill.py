@@ -21,7 +21,7 @@ from collections.abc import Callable
 import httpx
 import torch
 
-from yinian.mesh_probe import gateway_metric, metric_sum
+from yinian.mesh_probe import default_tls, gateway_metric, metric_sum
 
 
 def stream_completion(
@@ -45,7 +45,8 @@ def stream_completion(
         body["logprobs"] = logprobs
     text, tokens, top, error, chunks = "", [], [], None, 0
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=timeout, json=body) as resp:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=timeout, json=body,
+                          verify=default_tls()) as resp:  # fmt: skip
             for line in resp.iter_lines():
                 if not line.startswith("data: {"):
                     continue

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen.client import RequestInput, send_request
+from yinian.mesh_probe import default_tls
 
 
 @dataclass
@@ -68,7 +69,8 @@ class RoundResult:
 
 def _client(load: Load, timeout: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, verify=load.verify)
+    verify = default_tls() if load.verify is True else load.verify
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, verify=verify)
 
 
 def _request(url: str, load: Load, prompt, max_tokens: int) -> RequestInput:

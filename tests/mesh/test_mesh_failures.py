@@ -13,7 +13,7 @@ import pytest
 
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import list_workers
+from yinian.mesh_probe import default_tls, list_workers
 
 
 def stream_request(url: str, results: list, i: int, max_tokens: int, started: threading.Event):
@@ -24,6 +24,7 @@ def stream_request(url: str, results: list, i: int, max_tokens: int, started: th
             "POST",
             f"{url}/v1/completions",
             timeout=60,
+            verify=default_tls(),
             json={
                 "model": "tiny-llama",
                 "prompt": f"stream {i}",

@@ -20,7 +20,14 @@ from prompts import random_prompts
 from engine import LLM, SamplingParams
 from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import gateway_metric, list_workers, scrape, wait_running, worker_metric
+from yinian.mesh_probe import (
+    default_tls,
+    gateway_metric,
+    list_workers,
+    scrape,
+    wait_running,
+    worker_metric,
+)
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -28,7 +35,7 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
 def complete(mesh, prompt, max_tokens=12):
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
-    resp = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    resp = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120, verify=default_tls())
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["text"]
 
@@ -38,7 +45,8 @@ def stream(mesh, prompt, max_tokens, started: threading.Event) -> str:
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     pieces = []
-    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=120) as resp:
+    url = f"{mesh.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=120, verify=default_tls()) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

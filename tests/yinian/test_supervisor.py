@@ -19,13 +19,13 @@ from bench.loadgen.client import RequestInput, send_request
 from bench.up_process import UpProcess
 from yinian.children import launch
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import scrape, wait_running
+from yinian.mesh_probe import default_tls, scrape, wait_running
 from yinian.supervisor import GaveUp, Supervisor
 
 
 def stream(url: str, prompt: str, max_tokens: int):
     async def one():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120, verify=default_tls()) as client:
             request = RequestInput(f"{url}/v1/completions", "tiny-llama", prompt, 0, max_tokens)
             return await send_request(client, request)
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from guarded_mesh import BODY_TIMEOUT, MODEL, gateway_rss
 
+from yinian.mesh_probe import default_tls
+
 VALID = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 DEEP = "[" * 5000 + "]" * 5000
@@ -55,7 +57,8 @@ HOSTILE = [
 def post(mesh, path: str, body, **kw) -> httpx.Response:
     kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
     headers = {"Content-Type": "application/json"}
-    return httpx.post(f"{mesh.url}{path}", headers=headers, timeout=60, **kwargs, **kw)
+    url = f"{mesh.url}{path}"
+    return httpx.post(url, headers=headers, timeout=60, verify=default_tls(), **kwargs, **kw)
 
 
 @pytest.mark.parametrize(("name", "path", "body", "status"), HOSTILE, ids=[h[0] for h in HOSTILE])
