@@ -4,7 +4,8 @@ Only this module changes those three. A block freed by every sequence stays
 in the hash map (its contents are still valid) and joins the back of the free
 queue; new allocations take from the front, so cached blocks are evicted
 least-recently-used. Block 0 is a null block that is never handed out: padded
-rows of a batch write their keys there.
+rows of a batch write their keys there. Blocks never used yet are made when first
+handed out, before any block freed (a pool of many blocks costs nothing to set up).
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # every block handed out so far, by id: blocks `len(blocks)`.. have never been
+        # used and are made when first allocated (a pool of many blocks costs nothing
+        # to set up)
+        self.blocks = [KVBlock(0)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1
-        # block_id -> block, oldest first; holds exactly the blocks with ref_cnt == 0
-        self._free: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        # block_id -> block, oldest first: the blocks used before with ref_cnt == 0; the
+        # ones never used stand before them, in id order
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
         self.events = KVEvents()
         # Blocks that became free while cached, for the host tier to back up (kept only
@@ -69,7 +72,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -83,10 +86,16 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[KVBlock]:
         """Takes `count` blocks from the front of the free queue, evicting their cached contents."""
-        if count > len(self._free):
-            raise ValueError(f"asked for {count} blocks, {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(count):
+            if len(self.blocks) < self.num_blocks:  # one never used
+                block = KVBlock(len(self.blocks))
+                self.blocks.append(block)
+                block.ref_cnt = 1
+                out.append(block)
+                continue
             _, block = self._free.popitem(last=False)
             if self.track_evicted and block.reused and block.block_hash is not None:
                 self._evicted.append((block.block_id, block.block_hash))

@@ -5,7 +5,9 @@ Every slot is either free, cached (holds a block's KV under its hash) or
 pinned (a copy into or out of it is in flight). New slots come from the
 front of the LRU queue (free slots first, then the least recently used
 cached ones, whose hash is evicted); a lookup or a store moves a slot to the
-back. Events say which hashes entered and left the tier.
+back. Events say which hashes entered and left the tier. Slots never used yet
+are not listed: they stand, in order, right behind the emptied ones at the
+queue's front (a tier of millions of slots costs nothing to set up).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ class HostBlockPool:
             raise ValueError(f"the host tier needs at least 1 block, got {num_blocks}")
         self.num_blocks = num_blocks
         # slot -> its hash (None: empty), oldest first; holds exactly the unpinned slots
-        self._lru: OrderedDict[int, int | None] = OrderedDict.fromkeys(range(num_blocks))
+        # used so far (the emptied ones at the front), then come slots `_fresh`.. on
+        self._lru: OrderedDict[int, int | None] = OrderedDict()
+        self._fresh = 0  # the first slot never used
         self._slot_of: dict[int, int] = {}  # hash -> slot (cached or being written)
         self._hash_of: dict[int, int] = {}  # slot -> hash, for every slot holding one
         self._pins: dict[int, int] = {}  # slot -> pin count
@@ -63,10 +67,11 @@ class HostBlockPool:
         if block_hash in self._slot_of:
             self.lookup(block_hash)
             return None
-        if not self._lru:
+        slot = self._take_slot()
+        if slot is None:
             self.num_refused += 1
             return None
-        slot, old = self._lru.popitem(last=False)
+        old = self._lru.pop(slot)
         if old is not None:
             self.num_evicted += 1
             del self._slot_of[old]
@@ -77,6 +82,16 @@ class HostBlockPool:
         self._writing.add(slot)
         self._pins[slot] = 1
         return slot
+
+    def _take_slot(self) -> int | None:
+        """The front of the queue (left in it): an emptied slot, else one never used
+        (listed now), else the least recently used; None when every slot is pinned."""
+        first = next(iter(self._lru), None)
+        if (first is None or self._lru[first] is not None) and self._fresh < self.num_blocks:
+            first = self._fresh
+            self._fresh += 1
+            self._lru[first] = None
+        return first
 
     def end_store(self, slot: int, ok: bool = True) -> None:
         """The copy into `slot` finished (or failed: the slot is emptied)."""
