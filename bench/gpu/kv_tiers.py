@@ -218,25 +218,26 @@ def _median(rows: list[dict]) -> dict:
     return sorted(rows, key=lambda r: r["ttft_ms"])[len(rows) // 2]
 
 
-def _settle(mesh: Mesh, quiet: float = 1.0, timeout: float = 120.0) -> float:
-    """Waits until the worker's writes to the shared tier have stopped (no block
-    written or dropped for `quiet` seconds), so that each TTFT is its tier's alone;
-    returns the seconds waited."""
+def _settle(mesh: Mesh, timeout: float = 120.0) -> float:
+    """Waits until the worker's writes to the shared tier are done (none queued or in
+    flight, none written or dropped since the last look), so that each TTFT is its
+    tier's alone; returns the seconds waited. A request's blocks are queued before
+    its last token is sent, so no write of a request that has ended comes later."""
     start = time.monotonic()
 
-    def count() -> float:
-        return sum(worker_metric(mesh, "yinian:kv_shared_written_blocks_total").values()) + sum(
+    def state() -> tuple[float, float]:
+        done = sum(worker_metric(mesh, "yinian:kv_shared_written_blocks_total").values()) + sum(
             worker_metric(mesh, "yinian:kv_shared_dropped_blocks_total").values()
         )
+        return done, sum(worker_metric(mesh, "yinian:kv_shared_pending_bytes").values())
 
-    last, since = count(), time.monotonic()
+    last = state()
     while time.monotonic() - start < timeout:
         time.sleep(0.2)
-        now = count()
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
+        now = state()
+        if now == last and now[1] == 0:
             break
+        last = now
     return time.monotonic() - start
 
 

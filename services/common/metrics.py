@@ -229,6 +229,12 @@ KV_SHARED_DROPPED_BLOCKS = Counter(
     ["worker", "reason"],
     registry=WORKER,
 )
+KV_SHARED_PENDING_BYTES = Gauge(
+    "yinian:kv_shared_pending_bytes",
+    "Bytes of blocks queued or in flight to the shared tier (at most the write queue's bound)",
+    ["worker"],
+    registry=WORKER,
+)
 
 # Request-side (gateway)
 TTFT = Histogram(

@@ -46,7 +46,8 @@ class WorkerSettings(TlsSettings):
         2 << 30,
         "KV bytes waiting to be written to the shared tier at most (an 8k-token llama3-8b "
         "prompt is 1 GiB); the blocks of a write beyond it (its tail) are dropped and counted "
-        "(yinian:kv_shared_dropped_blocks), never waited for",
+        "(yinian:kv_shared_dropped_blocks), never waited for; what waits now is "
+        "yinian:kv_shared_pending_bytes",
     )
     kv_verify_lent_blocks: bool = setting(
         False,

@@ -65,7 +65,7 @@ class SharedKvWrites:
             if not todo:
                 return
         nbytes = len(todo) * self.link.block_bytes
-        self.pending_bytes += nbytes
+        self._pending(nbytes)
         self._queued.update(h for _, h in todo)  # a later request for them waits for this one
         public = public_tokens // self.link.block_size
         parents = {i: hashes[i - 1] if i else 0 for i, _ in todo}
@@ -83,8 +83,12 @@ class SharedKvWrites:
         except Exception:
             logger.exception("shared-tier write failed")
         finally:
-            self.pending_bytes -= nbytes
+            self._pending(-nbytes)
             self._queued.difference_update(h for _, h in todo)
+
+    def _pending(self, nbytes: int) -> None:
+        self.pending_bytes += nbytes
+        metrics.KV_SHARED_PENDING_BYTES.labels(worker=self.link.worker_id).set(self.pending_bytes)
 
     async def _write_blocks(self, todo, parents, tenant: str, public_blocks: int) -> None:
         """Waits (briefly) until the blocks are in the host tier, then puts them while

@@ -1,7 +1,7 @@
 """A worker's write queue to the shared tier, against a real `python -m
 services.kvstore` on Redis: a write larger than the room left in the queue
 stores the prompt's leading blocks that fit and drops (and counts) only its
-tail; nothing waits."""
+tail; nothing waits; the worker's metrics say what is queued."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from redis_server import RedisServer, redis_server_binary
 
 from basis.block_hash import hash_prompt_blocks
 from engine import AsyncLLM, SamplingParams
+from services.common import metrics
 from services.common.processes import start_nats, stop_process
 from services.worker.host import model_fingerprint
 from services.worker.kvstore_client import KvStoreClient
@@ -35,6 +36,10 @@ def store_address():
         stop_process(nats_proc)
 
 
+def pending_bytes() -> float:
+    return metrics.WORKER.get_sample_value("yinian:kv_shared_pending_bytes", {"worker": "w"})
+
+
 def test_a_write_beyond_the_queue_keeps_the_prompts_head(model_dir, store_address):
     folder = model_dir("tiny-llama")
 
@@ -47,12 +52,14 @@ def test_a_write_beyond_the_queue_keeps_the_prompts_head(model_dir, store_addres
         async for _out in llm.generate(prompt, SamplingParams(max_tokens=1), "r"):
             pass
         shared.write_through(prompt, [], "")
+        queued = pending_bytes()  # what /metrics says waits, until the store has it
         await shared.drain()
         held = await client.lookup("", hash_prompt_blocks(prompt, 16, "", 0))
         await client.close()
         llm.close()
-        return shared.stats, held
+        return shared.stats, held, queued, shared.block_bytes
 
-    stats, held = asyncio.run(run())
+    stats, held, queued, block_bytes = asyncio.run(run())
     assert stats.written_blocks == 2 and stats.dropped_blocks == 4
+    assert queued == 2 * block_bytes and pending_bytes() == 0
     assert held == 2  # the store holds the prompt's first two blocks
