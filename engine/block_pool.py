@@ -93,13 +93,11 @@ class BlockPool:
             if len(self.blocks) < self.num_blocks:  # one never used
                 block = KVBlock(len(self.blocks))
                 self.blocks.append(block)
-                block.ref_cnt = 1
-                out.append(block)
-                continue
-            _, block = self._free.popitem(last=False)
-            if self.track_evicted and block.reused and block.block_hash is not None:
-                self._evicted.append((block.block_id, block.block_hash))
-            self._evict(block)
+            else:
+                _, block = self._free.popitem(last=False)
+                if self.track_evicted and block.reused and block.block_hash is not None:
+                    self._evicted.append((block.block_id, block.block_hash))
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
