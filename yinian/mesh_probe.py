@@ -53,9 +53,8 @@ def default_tls() -> ssl.SSLContext:
 
 @functools.cache
 def _default_client() -> httpx.Client:
-    """The client of every default-verified GET, each request on a new connection as
-    `httpx.get` would: a new client loads the CA bundle again, about 20 ms of CPU, and
-    tests and benchmarks scrape in loops."""
+    """The client of every default-verified GET (tests and benchmarks scrape in loops),
+    each request on a new connection as `httpx.get` would."""
     limits = httpx.Limits(max_keepalive_connections=0)
     return httpx.Client(timeout=5, limits=limits, verify=default_tls())
 

@@ -26,7 +26,13 @@ from bench.gpu.timing import median_ms
 from bench.otlp_receiver import OtlpReceiver, stages
 from engine import LLM, SamplingParams
 from yinian.mesh import Mesh
-from yinian.mesh_probe import http_get, list_workers, wait_store_mapped, worker_metric
+from yinian.mesh_probe import (
+    http_get,
+    list_workers,
+    sample_sum,
+    wait_store_mapped,
+    worker_metric,
+)
 
 
 def host_load(
@@ -226,10 +232,13 @@ def _settle(mesh: Mesh, timeout: float = 120.0) -> float:
     start = time.monotonic()
 
     def state() -> tuple[float, float]:
-        done = sum(worker_metric(mesh, "yinian:kv_shared_written_blocks_total").values()) + sum(
-            worker_metric(mesh, "yinian:kv_shared_dropped_blocks_total").values()
-        )
-        return done, sum(worker_metric(mesh, "yinian:kv_shared_pending_bytes").values())
+        done = pending = 0.0
+        for w in list_workers(mesh):  # each worker's figures from one read of its page
+            page = http_get(f"http://{w.info.metrics_address}/metrics").text
+            done += sample_sum(page, "yinian:kv_shared_written_blocks_total")
+            done += sample_sum(page, "yinian:kv_shared_dropped_blocks_total")
+            pending += sample_sum(page, "yinian:kv_shared_pending_bytes")
+        return done, pending
 
     last = state()
     while time.monotonic() - start < timeout:
