@@ -76,8 +76,10 @@ async def _generate(mesh: Mesh, model: str, prompts, params, fallback: str, opti
         return outputs, control.experts.record.snapshot()
     finally:
         task.cancel()
-        await control.close()
         engine.close()
+        # this process lives on (a worker's would exit and close its connections): the
+        # members are told the group is done, or their stop would wait on its reads
+        await control.close(graceful=True)
 
 
 def generate_remote(mesh: Mesh, model: str, prompts=PROMPTS, params=GREEDY,

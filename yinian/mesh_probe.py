@@ -143,11 +143,21 @@ def wait_store_mapped(mesh, timeout: float = 120.0) -> float:
     return time.monotonic() - start
 
 
-def wait_running(metrics_address: str, timeout: float = 60.0) -> None:
-    """Waits until the worker at `metrics_address` reports a request running (a
-    test that kills a worker mid-stream waits for this, not for a fixed time)."""
+def wait_running(metrics_address: str, timeout: float = 60.0, steps: int = 0) -> None:
+    """Waits until the worker at `metrics_address` reports a request running, and then
+    until its engine has run `steps` more steps (a running request has then had tokens
+    out: a test that kills a worker mid-stream waits for this, not for a fixed time)."""
     deadline = time.monotonic() + timeout
-    while scrape(f"http://{metrics_address}/metrics", "yinian:num_requests_running") < 1:
+    url = f"http://{metrics_address}/metrics"
+    first = None
+    while True:
+        page = http_get(url, True).text
+        if first is None and sample_sum(page, "yinian:num_requests_running") >= 1:
+            first = sample_sum(page, "yinian:engine_steps", 'kind="all"')
+        if first is not None and sample_sum(page, "yinian:engine_steps", 'kind="all"') >= (
+            first + steps
+        ):
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"no request ran on {metrics_address} within {timeout:g} s")
         time.sleep(0.05)

@@ -167,8 +167,12 @@ class ExpertControl:
         except grpc.RpcError:
             return False
 
-    async def close(self) -> None:
+    async def close(self, graceful: bool = False) -> None:
+        """Graceful (tell the members this group is done, so each ends its serving
+        loop at once) only once the engine has stopped stepping: the leave is a
+        collective its thread would otherwise race. A worker process that exits
+        closes its connections, which ends the members' loops as well."""
         if self.group is not None:
-            self.group.close(graceful=False)
+            self.group.close(graceful=graceful)
         await self.channels.close()
         await self._balancer.close()
