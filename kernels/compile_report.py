@@ -10,16 +10,20 @@ TRITON_INTERPRET (the interpreter replaces the kernels with Python):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.cache import get_cache_manager
 
 from kernels.attention_checks import dot_precision
 from kernels.extend_attention import SELECTOR, _extend_kernel
@@ -28,6 +32,7 @@ from kernels.extend_attention_tma import _extend_tma_kernel
 TARGET = GPUTarget("cuda", 90, 32)
 KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 4, 128, 16  # Llama-3-8B's attention heads
 INDEX_ARGS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")  # int32 tensors
+REPORT = "ptxas_report.log"  # in the kernel's Triton cache folder
 
 
 def _ptxas() -> str:
@@ -80,15 +85,15 @@ def compile_candidate(variant: str, config: dict) -> dict:
     sig.update(dict.fromkeys(constexprs, "constexpr"))
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    compiled = triton.compile(src, target=TARGET, options=options)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        report = subprocess.run(
-            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.o")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # Triton prints its ptxas log when it runs it
+        compiled = triton.compile(src, target=TARGET, options=options)
+    cache = get_cache_manager(compiled.hash)
+    report = printed.getvalue()
+    if "registers" not in report:  # a kernel Triton had cached: its report, or ptxas again
+        path = cache.get_file(REPORT)
+        report = open(path).read() if path else _run_ptxas(compiled.asm["ptx"])
+    cache.put(report, REPORT, binary=False)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {
@@ -101,9 +106,26 @@ def compile_candidate(variant: str, config: dict) -> dict:
     }
 
 
+def _run_ptxas(ptx_text: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(ptx_text)
+        return subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.o")],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+
+
+def _report(candidate) -> dict:
+    return compile_candidate(candidate.variant, candidate.kwargs)
+
+
 def main() -> None:
-    for candidate in SELECTOR.candidates:
-        print(json.dumps(compile_candidate(candidate.variant, candidate.kwargs)), flush=True)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    with ProcessPoolExecutor(min(os.cpu_count() or 1, len(SELECTOR.candidates))) as pool:
+        for report in pool.map(_report, SELECTOR.candidates):
+            print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
