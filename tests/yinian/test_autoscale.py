@@ -131,12 +131,12 @@ def test_planner_flags_that_cannot_work_are_refused(tmp_path):
 def test_the_planner_scales_a_running_mesh_up_and_back_down(model_dir, tmp_path):
     logs = tmp_path / "logs"
     up = UpProcess("--model", str(model_dir("tiny-llama")), "--log-dir", str(logs),
-                   "--planner-profile", str(PROFILE), "--planner-interval", "2",
+                   "--planner-profile", str(PROFILE), "--planner-interval", "1",
                    "--max-workers", "3", *SLOS, *MOCK)  # fmt: skip
     try:
         up.wait_for("yinian is ready", timeout=120)
         # rising past what one worker serves, then falling
-        phases = ((2.0, 4.0), (6.0, 6.0), (10.0, 8.0), (1.0, 10.0))
+        phases = ((2.0, 2.0), (6.0, 3.0), (10.0, 5.0), (1.0, 6.0))
         results = asyncio.run(load(up.url, "tiny-llama", phases))
         up.wait_for("planner: worker-1 stopped", timeout=60)
     finally:

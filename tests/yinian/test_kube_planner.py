@@ -132,7 +132,7 @@ def planner(api: FakeApi, gateway: Gateway, tmp_path: Path, *extra: str,
     return subprocess.Popen(
         [sys.executable, "-m", "yinian", "planner", *gateways, "--kube-url",
          api.url, "--namespace", "yinian", "--planner-profile", str(PROFILE),
-         "--planner-interval", "1", "--max-workers", "4", "--ttft-slo-ms", "300",
+         "--planner-interval", "0.5", "--max-workers", "4", "--ttft-slo-ms", "300",
          "--itl-slo-ms", "100", "--decisions", str(tmp_path / "planner.jsonl"), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
