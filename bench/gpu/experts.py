@@ -36,7 +36,7 @@ from yinian.mesh import Mesh, MeshSpec
 SHAPES = [("qwen3-30b-a3b", 48, 128, 8), ("deepseek-v3", 58, 256, 32)]
 DRY_SHAPES = [("small", 4, 32, 4)]
 SKEW = 1.2  # Zipf exponent: the hottest expert of a layer gets ~rank^-1.2 of the load
-REPORTS_SETTLE = 1.5  # s: the services' last load reports (every 0.5 s) reach the balancer
+REPORTS = 0.5  # s between the services' load reports (0.1 in a dry run)
 
 
 def zipf_loads(layers: int, experts: int, skew: float, tokens: float, seed: int) -> torch.Tensor:
@@ -80,15 +80,18 @@ def skewed_model(root, experts: int):
     return write_model(root / f"tiny-moe-{experts}", config, seed=1)
 
 
-def live_skew(root, experts: int, services: int, streams: int, tokens: int) -> dict:
+def live_skew(root, experts: int, services: int, streams: int, tokens: int,
+              reports: float = REPORTS) -> dict:  # fmt: skip
     folder = skewed_model(root, experts)
     redundant = int(experts * 0.125)
     spec = MeshSpec(
         model=str(folder), workers=1, experts=services, port=0,
         engine_argv=["--device", "cpu", "--router-skew", str(SKEW)],
         scheduler_argv=["--expert-redundant-slots", str(redundant)],
-        expert_argv=["--slots", str(-(-(experts + redundant) // services))],
+        expert_argv=["--slots", str(-(-(experts + redundant) // services)),
+                     "--report-interval", str(reports)],
     )  # fmt: skip
+    settle = 3 * reports  # the services' last load reports reach the balancer
     prompts = [[(17 * i + 5 * j) % 500 for j in range(8 + i % 13)] for i in range(streams)]
     with Mesh(spec) as mesh:
         stub = expert_pb2_grpc.ExpertBalancerStub(sync_channel(mesh.scheduler_address, None))
@@ -99,12 +102,12 @@ def live_skew(root, experts: int, services: int, streams: int, tokens: int) -> d
             time.sleep(0.2)
         stub.Rebalance(expert_pb2.RebalanceRequest())  # a fresh, load-free placement
         run_streams(mesh, folder.name, prompts, tokens)
-        time.sleep(REPORTS_SETTLE)
+        time.sleep(settle)
         before = list(status().measured_imbalance)
         window = _window(status())
         reply = stub.Rebalance(expert_pb2.RebalanceRequest())
         run_streams(mesh, folder.name, prompts, tokens)
-        time.sleep(REPORTS_SETTLE)
+        time.sleep(settle)
         after = status()
     replay = balance(window, services) if window is not None else {}
     return {
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     with Sections(args, script="experts") as section:
         section("eplb_replay", lambda: eplb_replay(DRY_SHAPES if dry else SHAPES))
         section("live_skew", lambda: live_skew(section.tmp, 16 if dry else 32, 2 if dry else 4,
-                                               8 if dry else 32, 6 if dry else 32))  # fmt: skip
+                                               8 if dry else 32, 6 if dry else 32,
+                                               0.1 if dry else REPORTS))  # fmt: skip
         section("throughput", lambda: throughput(64, 128, 4), needs="CUDA")
         for name, row in (section.results.get("eplb_replay") or {}).items():
             if "with_mean" in row:

@@ -134,7 +134,12 @@ def drill(
                           lost_with=gateway)  # fmt: skip
             result = asyncio.run(run_round(load, fault, clean.texts, min_probe_s=min_probe_s))
             wait_settled(mesh, name, workers)
-            time.sleep(0.5)  # the supervisor's next look notes when it came back
+            # the supervisor's next look notes when it came back (after this kill)
+            deadline = time.monotonic() + 2.0
+            while (supervisor.back_at(name) or 0.0) < killed_at[0]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             back_at = supervisor.back_at(name)
             out["rounds"][name] = row(result, back_at - killed_at[0] if back_at else None)
             say(format_row(name, out["rounds"][name]))

@@ -51,6 +51,9 @@ def mesh(model_dir):
         ],  # fmt: skip
         scheduler_argv=["--expert-redundant-slots", "1", "--heartbeat-timeout", "1.5"],
         worker_argv=["--expert-timeout", "10"],
+        # load reports every 0.1 s: a rebalance planned on them comes while 32 streams
+        # of 24 tokens still run (at 0.5 s, one run saw every stream end first)
+        expert_argv=["--report-interval", "0.1"],
     )
     with Mesh(spec) as m:
         _wait(m, lambda s: len(s.placement.members) == 3, rebalance=True)
@@ -105,7 +108,7 @@ def test_a_rebalance_amid_32_streams_changes_no_token(mesh, prompts, expected):
     seen = {}
 
     def rebalance(results):
-        # the services report their load every 0.5 s: plan once a report arrived
+        # plan once a load report arrived
         _wait(mesh, lambda s: sum(s.window_load) > 0, timeout=30)
         seen["reply"] = reply = balancer(mesh).Rebalance(expert_pb2.RebalanceRequest())
         deadline = time.monotonic() + 30
