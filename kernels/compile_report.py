@@ -18,6 +18,7 @@ import re
 import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 import triton
@@ -92,7 +93,7 @@ def compile_candidate(variant: str, config: dict) -> dict:
     report = printed.getvalue()
     if "registers" not in report:  # a kernel Triton had cached: its report, or ptxas again
         path = cache.get_file(REPORT)
-        report = open(path).read() if path else _run_ptxas(compiled.asm["ptx"])
+        report = Path(path).read_text() if path else _run_ptxas(compiled.asm["ptx"])
     cache.put(report, REPORT, binary=False)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
