@@ -25,19 +25,31 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
 
 
 def _make_model(args) -> int:
-    from engine.make_model import PRESETS, TINY_PRESETS, preset_config, write_model
+    from engine.presets import TINY_PRESETS, preset_config
+
+    config = preset_config(args.preset)  # an unknown name is said before torch is imported
+    from engine.make_model import write_model
 
     weights = args.weights if args.weights is not None else args.preset in TINY_PRESETS
-    out = write_model(
-        args.out, preset_config(args.preset), seed=args.seed, weights=weights, dtype=args.dtype
-    )
+    out = write_model(args.out, config, seed=args.seed, weights=weights, dtype=args.dtype)
     kind = "with weights" if weights else "config and tokenizer only (load_format=dummy)"
     print(f"wrote {args.preset} to {out} ({kind}); presets: {', '.join(PRESETS)}")
     return 0
 
 
 def _generate(args) -> int:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
+
+    # checked before the model is found or loaded (and torch imported): bad input costs
+    # no engine
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        n=args.n,
+    )
+    from engine import LLM
     from yinian.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
@@ -47,13 +59,6 @@ def _generate(args) -> int:
         prompts = [
             llm.engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts
         ]
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.sampling_seed,
-        n=args.n,
-    )
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(args.prompt or prompts, outputs):
         for completion in out.outputs:

@@ -150,5 +150,8 @@ def test_cli_generate_without_model_uses_the_default_one(tmp_path):
 def test_cli_reports_bad_input_clearly(tmp_path):
     run = _yinian("generate", "--max-tokens", "0", env_extra={"YINIAN_CACHE": str(tmp_path)})
     assert run.returncode == 2 and "max_tokens must be >= 1" in run.stderr
+    # the sampling settings are checked before any model is looked for or loaded
+    run = _yinian("generate", "--model", str(tmp_path / "none"), "--temperature", "-1")
+    assert run.returncode == 2 and "temperature" in run.stderr, run.stderr
     bad = _yinian("make-model", "--preset", "nope", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "unknown preset" in bad.stderr
