@@ -149,14 +149,13 @@ def wait_running(metrics_address: str, timeout: float = 60.0, steps: int = 0) ->
     out: a test that kills a worker mid-stream waits for this, not for a fixed time)."""
     deadline = time.monotonic() + timeout
     url = f"http://{metrics_address}/metrics"
-    first = None
+    first = None  # the engine's steps when a request was first seen running
     while True:
-        page = http_get(url, True).text
+        page = http_get(url).text
+        ran = sample_sum(page, "yinian:engine_steps", 'kind="all"')
         if first is None and sample_sum(page, "yinian:num_requests_running") >= 1:
-            first = sample_sum(page, "yinian:engine_steps", 'kind="all"')
-        if first is not None and sample_sum(page, "yinian:engine_steps", 'kind="all"') >= (
-            first + steps
-        ):
+            first = ran
+        if first is not None and ran >= first + steps:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"no request ran on {metrics_address} within {timeout:g} s")
