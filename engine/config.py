@@ -14,6 +14,7 @@ _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "triton", "torch")
 _BACKUPS = ("all", "reused")
 _RUNNERS = ("model", "mock")
+_SPECULATIVE = ("ngram", "trie")
 
 
 @dataclass(slots=True)
@@ -125,6 +126,16 @@ class EngineConfig:
     # requests with stop strings, which the engine must find (a mesh's workers: the
     # gateway detokenizes what they stream).
     detokenize: bool = not_a_flag(lambda: True)
+    # Speculative decoding without a draft model (engine/speculative.py).
+    speculative_method: str | None = setting(
+        None,
+        "draft tokens and verify them in one step: ngram (prompt lookup in the request's own "
+        "tokens) or trie (that, then the worker's recent requests); off by default",
+        choices=_SPECULATIVE,
+    )
+    num_speculative_tokens: int = setting(4, "speculative decoding: drafts per sequence a step")
+    prompt_lookup_min: int = setting(2, "speculative decoding: shortest suffix a draft matches")
+    prompt_lookup_max: int = setting(5, "speculative decoding: longest suffix a draft matches")
     # Benchmarks only: skews routing so expert balancing has something to balance.
     router_skew: float = setting(
         0.0,
@@ -179,10 +190,40 @@ class EngineConfig:
             )
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        self._check_speculation()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_speculation(self) -> None:
+        if self.speculative_method is None:
+            return
+        if self.speculative_method not in _SPECULATIVE:
+            raise ValueError(
+                f"speculative_method must be one of {_SPECULATIVE}, got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError("num_speculative_tokens must be below max_num_batched_tokens")
+        conflicts = {
+            "pipeline_parallel_size": self.pipeline_parallel_size != 1,
+            "model_runner": self.model_runner != "model",
+            "async_scheduling": self.async_scheduling is True,  # the next step waits for this
+        }
+        for name, clash in conflicts.items():
+            if clash:
+                raise ValueError(
+                    f"speculative decoding does not run with {name}={getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

@@ -34,6 +34,7 @@ from engine.request import EngineRequest
 from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.speculative import Drafter
 from engine.stats import engine_stats
 from engine.step_timing import StepTiming
 from engine.stepping import Stepper
@@ -87,11 +88,17 @@ class LLMEngine:
             # (a mock on a GPU's profile models the GPU, running apart as well)
             mock_gpu = self.config.mock_device is not None
             async_scheduling = self.runner.device.type == "cuda" or mock_gpu
+        drafter = None
+        if self.config.speculative_method is not None:  # steps then never run ahead
+            drafter = Drafter(self.config.speculative_method, self.config.num_speculative_tokens,
+                              self.config.prompt_lookup_min, self.config.prompt_lookup_max,
+                              self.max_model_len)  # fmt: skip
         self.timing = StepTiming(self.runner.device.type == "cuda")
         self.stepper = Stepper(
             self.scheduler, self.runner, self.kv, self.tiers, self.disagg, self.timing,
             self.requests, async_scheduling=async_scheduling,
             pipeline_depth=self.config.pipeline_parallel_size, max_model_len=self.max_model_len,
+            drafter=drafter,
         )  # fmt: skip
         self._grammars: GrammarCompiler | None = None  # made by the first structured output
 
@@ -363,9 +370,10 @@ class LLMEngine:
 
     # -- reporting -----------------------------------------------------------
     def get_stats(self) -> dict:
-        return engine_stats(self.scheduler, self.kv, self.runner, self.tiers.host) | (
-            self.timing.stats()
-        )
+        stats = engine_stats(self.scheduler, self.kv, self.runner, self.tiers.host)
+        if self.stepper.drafter is not None:
+            stats |= self.stepper.drafter.stats.as_dict()
+        return stats | self.timing.stats()
 
     def drain_kv_events(self) -> KVEvents:
         return self.tiers.drain_events()

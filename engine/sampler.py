@@ -90,11 +90,12 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], masks: MaskJob | None = None
     ) -> PendingSample:
         """Queues the sampling of every row on the device; nothing waits for it.
-        A sequence's tokens still pending count as output (for min_tokens).
+        A sequence's tokens still pending count as output (for min_tokens), as do, in
+        a run of rows of one sequence (its drafts' rows), the rows before each.
         `masks`: the grammar bitmasks of the constrained rows (grammar.masks_for)."""
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
-        made = [s.num_output_tokens + s.num_pending for s in seqs]
+        made = _made(seqs)
         if masks is not None or any(
             s.params.needs_penalties or s.params.logit_bias or m < s.params.min_tokens
             for s, m in zip(seqs, made)
@@ -143,6 +144,17 @@ class Sampler:
             if seqs[i].generator is not None:
                 noise[j].exponential_(generator=seqs[i].generator)
         return chosen.index_copy_(0, at, (probs / noise).argmax(dim=-1))
+
+
+def _made(seqs: list[Sequence]) -> list[int]:
+    """Each row's output tokens before it: its sequence's, and its place in a run of
+    rows of that sequence."""
+    made, prev, run = [], None, 0
+    for seq in seqs:
+        run = run + 1 if seq is prev else 0
+        prev = seq
+        made.append(seq.num_output_tokens + seq.num_pending + run)
+    return made
 
 
 def _on(like: torch.Tensor, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -100,6 +100,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids and num_new == 1:  # a decode with drafts: verify them
+                del seq.draft_token_ids[budget - 1 :]
+                num_new += len(seq.draft_token_ids)
             if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
                 continue
@@ -162,6 +165,7 @@ class Scheduler:
         self._running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -74,6 +74,10 @@ class Sequence:
     # the next step finds its id on the device: (token tensor of that step, row).
     num_pending: int = 0
     pending_token: tuple[torch.Tensor, int] | None = None
+    # Speculative decoding (engine/speculative.py): the tokens guessed to follow, which
+    # its next step computes after its last token, and its tokens as an array.
+    draft_token_ids: list[int] = field(default_factory=list)
+    token_array: object | None = None
 
     @property
     def text(self) -> str:

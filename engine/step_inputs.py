@@ -21,7 +21,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # flat row whose logits each sampled sequence needs
-    sample_seqs: list[Sequence]
+    sample_seqs: list[Sequence]  # a sequence with drafts has a run of rows: 1 + its drafts
 
 
 def prepare_step(
@@ -45,10 +45,15 @@ def prepare_step(
     chunk's, in the shape the decode graphs replay."""
     bs, batch, total = block_size, len(seqs), sum(num_new)
     max_blocks = max(len(t) for t in block_tables)
-    known = [min(n, len(s.all_token_ids) - s.num_computed_tokens) for s, n in zip(seqs, num_new)]
-    sampled = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new)]
+    # a decode with drafts computes them after its last token (speculative decoding)
+    drafts = [len(s.draft_token_ids) for s in seqs]
+    known = [min(n, len(s.all_token_ids) + d - s.num_computed_tokens)
+             for s, n, d in zip(seqs, num_new, drafts)]  # fmt: skip
+    sampled = [s.num_computed_tokens + n == s.num_tokens + d
+               for s, n, d in zip(seqs, num_new, drafts)]  # fmt: skip
     n_rows = total if as_rows else batch  # rows of the attention metadata
-    shape = StepShape(total, n_rows, total - sum(known), max_blocks, sum(sampled))
+    n_sampled = sum(1 + d for d, yes in zip(drafts, sampled) if yes)
+    shape = StepShape(total, n_rows, total - sum(known), max_blocks, n_sampled)
     # int64: ids, positions, slots, sample rows, pending rows, their sources; int32:
     # query starts, sequence lengths, block tables. Segments start 16-byte aligned.
     wide, narrow = shape.wide, shape.narrow
@@ -63,7 +68,10 @@ def prepare_step(
     start = p = 0
     for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
         c = seq.num_computed_tokens
-        ids[start : start + k] = seq.all_token_ids[c : c + k]
+        if drafts[i]:
+            ids[start : start + k] = (seq.all_token_ids + seq.draft_token_ids)[c : c + k]
+        else:
+            ids[start : start + k] = seq.all_token_ids[c : c + k]
         if k < n:  # its last token is pending: known only on the device
             tensor, index = seq.pending_token
             if n - k != 1 or (source is not None and tensor is not source):
@@ -81,9 +89,10 @@ def prepare_step(
             seq_lens[i] = c + n
             query_start[i + 1] = start + n
         start += n
-        if sampled[i]:
-            rows[len(sample_seqs)] = start - 1
-            sample_seqs.append(seq)
+        if sampled[i]:  # its last row, or its last token's and each draft's
+            for row in range(start - 1 - drafts[i], start):
+                rows[len(sample_seqs)] = row
+                sample_seqs.append(seq)
     if as_rows:
         query_start[:] = np.arange(total + 1)
         row_of = np.arange(total)

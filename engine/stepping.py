@@ -46,12 +46,16 @@ class Stepper:
     """Runs the engine's steps over `requests` (the engine's request states, by id)."""
 
     def __init__(self, scheduler, runner, kv, tiers, disagg, timing, requests: dict,
-                 *, async_scheduling: bool, pipeline_depth: int, max_model_len: int):  # fmt: skip
+                 *, async_scheduling: bool, pipeline_depth: int, max_model_len: int,
+                 drafter=None):  # fmt: skip
         self.scheduler, self.runner, self.kv = scheduler, runner, kv
         self.tiers, self.disagg, self.timing = tiers, disagg, timing
         self.requests = requests
         # Pipeline parallel keeps a step in flight per stage, instead of running ahead.
         self.pipeline_depth = pipeline_depth
+        # speculative decoding (engine/speculative.py), or None; its next step needs the
+        # tokens this one kept, so it never runs ahead
+        self.drafter = drafter
         self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.inflight: Step | None = None  # queued on the device, not yet read back
@@ -60,12 +64,12 @@ class Stepper:
     @property
     def async_scheduling(self) -> bool:
         """Whether a step is read back during the next one (never with pipeline stages:
-        they keep a step in flight per stage instead)."""
+        they keep a step in flight per stage instead; never with drafts)."""
         return self._async_scheduling
 
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
-        self._async_scheduling = on and self.pipeline_depth == 1
+        self._async_scheduling = on and self.pipeline_depth == 1 and self.drafter is None
 
     def run(self) -> dict[str, RequestState]:
         """One step: launch a batch, complete what is due; returns the requests touched."""
@@ -191,26 +195,37 @@ class Stepper:
                 if not seq.is_finished:
                     self.scheduler.fail(seq, error)
             return
+        sampled = step.sample.seqs if result is not None else []
+        if self.drafter is not None and result is not None:  # kept drafts; the rest rolled back
+            rows = self.drafter.settle(sampled, result, step.seqs, step.computed)
+        elif result is not None:
+            rows = zip(sampled, result.token_ids, result.token_logprobs, result.logprobs)
         self.scheduler.commit(step.seqs, step.computed)
         if result is not None:
-            self._apply(step.sample.seqs, result, step.overlap, touched)
+            self._apply(rows, step.overlap, touched)
+            if self.drafter is not None:
+                self.drafter.propose(list(dict.fromkeys(sampled)))
         self.housekeeping()  # back up what just became free; finish copies that are done
 
-    def _apply(self, sampled: list[Sequence], result, pending: bool, touched) -> None:
-        """Each sampled token through the output processor (append, detokenize, stop
-        checks); the first sequence of a request forks its siblings once it has its
-        prompt; a finished sequence leaves the scheduler, or is held for a handoff."""
+    def _apply(self, rows, pending: bool, touched) -> None:
+        """Each sampled token, (seq, token, its logprob, top logprobs) in order, through
+        the output processor (append, detokenize, stop checks); the first sequence of a
+        request forks its siblings once it has its prompt; a finished sequence leaves
+        the scheduler, or is held for a handoff."""
         held = []
-        for i, seq in enumerate(sampled):
+        for seq, token, token_logprob, top in rows:
             if pending:
                 seq.resolve_pending()
             if seq.is_finished:  # finished or aborted while this step ran: its token is moot
                 continue
             if seq.index == 0:
                 self.scheduler.fork_children(seq)
-            process_token(seq, result.token_ids[i], result.token_logprobs[i],
-                          result.logprobs[i], self.max_model_len)  # fmt: skip
-            if seq.is_finished and self.scheduler.finished(seq):
+            process_token(seq, token, token_logprob, top, self.max_model_len)
+            if not seq.is_finished:
+                continue
+            if self.drafter is not None:
+                self.drafter.finished(seq)
+            if self.scheduler.finished(seq):
                 held.append(touched[seq.request_id])
         for state in held:
             self.disagg.hold(state, state.hold_seconds)

@@ -4,6 +4,8 @@ logits of a prompt and its greedy decodes through the paged cache."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -16,6 +18,17 @@ PROMPT_LENGTHS = (1, 2, 15, 16, 17, 33, 64, 127, 200, 300)
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def quoting_prompts(vocab: int, count: int = 12, seed: int = 3) -> list[list[int]]:
+    """Prompts that repeat a segment of their own (what prompt lookup drafts from)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        head = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        seg = [rng.randrange(vocab) for _ in range(rng.randrange(3, 12))]
+        out.append((head + seg * rng.randrange(2, 6))[:120])
+    return out
 
 
 def greedy_texts(folder, prompts, max_tokens: int) -> list[str]:

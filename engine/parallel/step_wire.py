@@ -48,7 +48,7 @@ class StepShape:
     @property
     def wide(self) -> Layout:  # ids, positions, slots, sampled rows, pending rows, sources
         t, p = self.total, self.num_pending
-        return Layout([t, t, t, self.batch, p, p], 2)
+        return Layout([t, t, t, self.num_sampled, p, p], 2)
 
     @property
     def narrow(self) -> Layout:  # query starts, sequence lengths, block tables

@@ -120,6 +120,18 @@ ENGINE_THREAD_SECONDS = Gauge(
     ["worker", "part"],
     registry=WORKER,
 )
+SPEC_TOKENS = Gauge(
+    "yinian:spec_decode_tokens",
+    "Speculative decoding so far: draft tokens verified (kind=draft) and kept (kind=accepted)",
+    ["worker", "kind"],
+    registry=WORKER,
+)
+SPEC_ACCEPTED_BY_POSITION = Gauge(
+    "yinian:spec_decode_acceptance",
+    "Speculative decoding: the share of drafts kept at each position of a step's drafts",
+    ["worker", "position"],
+    registry=WORKER,
+)
 # Tensor/pipeline parallel workers, per rank
 RANK_BUSY_SECONDS = Gauge(
     "yinian:rank_busy_seconds",

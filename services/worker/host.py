@@ -252,6 +252,11 @@ class WorkerHost:
         metrics.ENGINE_STEP_SECONDS.labels(kind="device", **labels).set(steps["device_seconds"])
         for part, seconds in steps["thread_seconds"].items():
             metrics.ENGINE_THREAD_SECONDS.labels(part=part, **labels).set(seconds)
+        if steps["draft_tokens"] is not None:
+            metrics.SPEC_TOKENS.labels(kind="draft", **labels).set(steps["draft_tokens"])
+            metrics.SPEC_TOKENS.labels(kind="accepted", **labels).set(steps["accepted_tokens"])
+            for i, rate in enumerate(steps["acceptance_by_position"]):
+                metrics.SPEC_ACCEPTED_BY_POSITION.labels(position=str(i), **labels).set(rate)
 
     async def _report_kv_events(self, bus: EventBus, interval: float = 0.02) -> None:
         """KV events go out as soon as they exist, so placement learns of new

@@ -66,6 +66,10 @@ class WorkerReports:
             "device_seconds": stats["step_device_seconds"],
             "device_timed": stats["steps_device_timed"],
             "thread_seconds": stats["engine_thread_seconds"],
+            # speculative decoding, when on: drafts verified and kept, kept by position
+            "draft_tokens": stats.get("spec_draft_tokens"),
+            "accepted_tokens": stats.get("spec_accepted_tokens"),
+            "acceptance_by_position": stats.get("spec_acceptance_by_position", []),
         }
 
     def kv_events(self) -> KvEventBatch | None:

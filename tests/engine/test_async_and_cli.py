@@ -153,5 +153,7 @@ def test_cli_reports_bad_input_clearly(tmp_path):
     # the sampling settings are checked before any model is looked for or loaded
     run = _yinian("generate", "--model", str(tmp_path / "none"), "--temperature", "-1")
     assert run.returncode == 2 and "temperature" in run.stderr, run.stderr
+    run = _yinian("generate", "--speculative-method", "medusa")
+    assert run.returncode == 2 and "--speculative-method" in run.stderr, run.stderr
     bad = _yinian("make-model", "--preset", "nope", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "unknown preset" in bad.stderr

@@ -40,11 +40,11 @@ def run_until_done(engine: LLMEngine, request_id: str):
                 return out
 
 
-def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt):
-    res = decode.reserve_remote(decode.make_request(request_id, prompt, PARAMS))
+def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt, params=PARAMS):
+    res = decode.reserve_remote(decode.make_request(request_id, prompt, params))
     assert res is not None
     h = CopyHandoff(decode, res.dst_block_ids, res.skip_blocks)
-    prefill.add_request(request_id, prompt, PARAMS.clone(max_tokens=1), handoff=h, hold_seconds=30)
+    prefill.add_request(request_id, prompt, params.clone(max_tokens=1), handoff=h, hold_seconds=30)
     first = run_until_done(prefill, request_id)
     assert h.layers == list(range(prefill.model_config.num_hidden_layers))
     decode.commit_remote(request_id, first.outputs[0].token_ids[0])

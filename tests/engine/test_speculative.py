@@ -1,0 +1,182 @@
+"""Speculative decoding (engine/speculative.py): greedy outputs equal to no
+speculation for every preset and method, with prefix hits, chunked prefill,
+preemption and a prefill/decode split; sampled outputs keep their
+distribution; bad settings are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from prompts import quoting_prompts
+from test_engine_disaggregation import handoff
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.draft_trie import DraftTrie
+from engine.speculative import ngram_drafts
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+VARIANTS = {
+    "ngram": dict(speculative_method="ngram"),
+    "trie": dict(speculative_method="trie", prompt_lookup_min=1),
+    "ngram-k7-chunk-7": dict(
+        speculative_method="ngram",
+        num_speculative_tokens=7,
+        prompt_lookup_min=1,
+        max_prefill_chunk=7,
+    ),  # fmt: skip
+    # Room for about two sequences at once: the rest wait or are preempted.
+    "ngram-preemption": dict(
+        speculative_method="ngram",
+        num_gpu_blocks=24,
+        max_num_batched_tokens=256,
+        prompt_lookup_min=1,
+    ),  # fmt: skip
+}
+
+
+def generate(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(
+    scope="module", params=["tiny-llama", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+)
+def reference(request, model_dir):
+    """Each preset's greedy outputs without speculation: a first round, then a second
+    whose prompts extend the first's prompts and outputs (prefix hits)."""
+    folder = model_dir(request.param)
+    llm = LLM(folder, dtype="float32", device="cpu")
+    prompts = quoting_prompts(llm.engine.model_config.vocab_size)
+    first = generate(llm, prompts)
+    second_prompts = [p + o[:20] + p[:5] for p, o in zip(prompts, first)]
+    return folder, prompts, first, second_prompts, generate(llm, second_prompts)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_outputs_equal_no_speculation(reference, variant):
+    folder, prompts, first, second_prompts, second = reference
+    llm = LLM(folder, dtype="float32", device="cpu", **VARIANTS[variant])
+    assert generate(llm, prompts) == first
+    assert generate(llm, second_prompts) == second
+    stats = llm.get_stats()
+    assert stats["spec_accepted_tokens"] > 0  # drafts were kept: the path ran
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # and some rolled back
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+    if variant.endswith("preemption"):
+        assert stats["num_preemptions"] > 0
+
+
+def test_prefill_decode_split_equals_one_engine(model_dir):
+    folder = model_dir("tiny-llama")
+    cfg = dict(dtype="float32", device="cpu", speculative_method="ngram", prompt_lookup_min=1)
+    prefill, decode = LLMEngine(folder, EngineConfig(**cfg)), LLMEngine(folder, EngineConfig(**cfg))
+    prompts = quoting_prompts(500, count=4, seed=8)
+    expected = LLM(folder, dtype="float32", device="cpu").generate(prompts, GREEDY)
+    for i, (prompt, exp) in enumerate(zip(prompts, expected)):
+        _, out = handoff(prefill, decode, f"r{i}", prompt, GREEDY)
+        assert out.outputs[0].token_ids == exp.outputs[0].token_ids
+        assert prefill.release_held(f"r{i}")
+    assert prefill.get_stats()["spec_draft_tokens"] == 0  # a prefill's only token: no drafts
+    assert decode.get_stats()["spec_accepted_tokens"] > 0
+    assert decode.get_stats()["kv_blocks_used"] == 0
+
+
+def _exact_distribution(llm: LLM, prompt: list[int], depth: int, top_k: int) -> dict:
+    """P(first `depth` tokens) under temperature 1 and top_k, from the model's logprobs."""
+    probs = {(): 1.0}
+    for _ in range(depth):
+        prefixes = list(probs)
+        params = SamplingParams(max_tokens=1, temperature=0, logprobs=top_k)
+        outs = llm.generate([prompt + list(p) for p in prefixes], params)
+        nxt = {}
+        for prefix, out in zip(prefixes, outs):
+            top = out.outputs[0].logprobs[0]
+            best = sorted(top.items(), key=lambda kv: kv[1].rank)[:top_k]
+            weights = torch.tensor([lp.logprob for _, lp in best]).softmax(0).tolist()
+            for (tid, _), w in zip(best, weights):
+                nxt[prefix + (tid,)] = probs[prefix] * w
+        probs = nxt
+    return probs
+
+
+def test_sampled_outputs_keep_their_distribution(model_dir):
+    """The first three tokens of 3,000 sampled requests (top-k 3: 27 outcomes) with
+    drafts from the trie fit the model's exact distribution (chi-square, p > 0.001);
+    most steps verify drafts, so a wrong acceptance rule would show."""
+    folder = model_dir("tiny-llama")
+    prompt = [11, 42, 7, 99, 11, 42, 7, 99, 11, 42]
+    exact = _exact_distribution(LLM(folder, dtype="float32", device="cpu"), prompt, 3, 3)
+    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=256,
+              speculative_method="trie", num_speculative_tokens=3)  # fmt: skip
+
+    def sample(seeds) -> list[tuple[int, ...]]:
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=s,
+                                 ignore_eos=True) for s in seeds]  # fmt: skip
+        outs = llm.generate([prompt] * len(seeds), params)
+        return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+
+    sample(range(300))  # the trie learns these requests' outputs
+    before = llm.get_stats()["spec_draft_tokens"]
+    got = sample(range(1000, 4000))
+    stats = llm.get_stats()
+    assert stats["spec_draft_tokens"] - before > 3000  # drafts for most requests
+    counts = {key: 0 for key in exact}
+    for key in got:
+        counts[key] += 1  # KeyError: a sequence the model's top-3 cannot make
+    n = len(got)
+    observed, expected = [], []
+    small_o = small_e = 0.0
+    for key, p in exact.items():  # cells expected below 5 pooled
+        if p * n < 5:
+            small_o, small_e = small_o + counts[key], small_e + p * n
+        else:
+            observed.append(counts[key])
+            expected.append(p * n)
+    if small_e:
+        observed.append(small_o)
+        expected.append(small_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    chi2 = float(((o - e) ** 2 / e).sum())
+    df = len(observed) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
+    assert p_value > 1e-3, (chi2, df)
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    tokens = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 2, 3])
+    # suffix [4, 2, 3] never occurred; [2, 3] did, last at 7: followed by 7, 8, 4
+    assert ngram_drafts(tokens, 3, 2, 3) == [7, 8, 4]
+    assert ngram_drafts(tokens, 9, 2, 3) == [7, 8, 4, 2, 3]
+    assert ngram_drafts(tokens, 3, 3, 4) == []
+    assert ngram_drafts(np.array([1]), 3, 1, 2) == []
+
+
+def test_trie_drafts_the_most_frequent_continuation():
+    trie = DraftTrie(1, 2)
+    trie.add(np.array([1, 2, 3, 4]))
+    trie.add(np.array([1, 2, 3, 5]))
+    trie.add(np.array([9, 2, 3, 5]))
+    assert trie.drafts(np.array([7, 1, 2]), 3) == [3, 5]
+    assert trie.drafts(np.array([8]), 3) == []
+    small = DraftTrie(1, 1, capacity=2)
+    small.add(np.array([1, 2, 3, 4]))
+    assert len(small) == 2 and small.drafts(np.array([1]), 1) == []  # the oldest went
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(speculative_method="medusa"), "speculative_method"),
+        (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "lookup"),
+        (dict(speculative_method="ngram", pipeline_parallel_size=2), "pipeline_parallel_size"),
+        (dict(speculative_method="ngram", async_scheduling=True), "async_scheduling"),
+        (dict(speculative_method="ngram", model_runner="mock"), "model_runner"),
+    ],
+)
+def test_bad_settings_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
