@@ -39,16 +39,24 @@ METHODS = ("ngram", "trie")
 
 def ngram_drafts(tokens: np.ndarray, k: int, shortest: int, longest: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest
-    suffix of `tokens` (longest down to shortest tokens) that occurred before."""
+    suffix of `tokens` (longest down to shortest tokens) that occurred before.
+
+    One pass over the tokens finds where the last token occurred before; those
+    places are then extended backwards a token at a time while they still match."""
     size = len(tokens)
-    for n in range(min(longest, size - 1), shortest - 1, -1):
-        # windows starting at 0 .. size - n - 1: each is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
-        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    if size <= shortest:
+        return []
+    alive = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # ends of 1-token matches
+    matched, best = 1, alive
+    while alive.size and matched < longest:
+        alive = alive[alive >= matched]
+        alive = alive[tokens[alive - matched] == tokens[size - 1 - matched]]
+        if alive.size:
+            matched, best = matched + 1, alive
+    if matched < shortest or not best.size:
+        return []
+    start = int(best[-1]) + 1
+    return tokens[start : start + k].tolist()
 
 
 def eligible(seq: Sequence) -> bool:

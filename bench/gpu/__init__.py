@@ -33,6 +33,7 @@ SCRIPTS = (
     "experts",
     "parallel",
     "long_streams",
+    "speculative",
 )
 
 

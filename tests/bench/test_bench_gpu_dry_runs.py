@@ -56,6 +56,7 @@ EXPECTED = {
         "pp_throughput": CUDA_ONLY,
     },
     "long_streams": {"ceilings": "ok", "colocated": "ok", "split": "ok"},
+    "speculative": {"ceilings": "ok", "default": "ok", "tiny-llama": "ok"},
     "kvstore": {
         "ceilings": "ok",
         "host_load": "ok",
