@@ -47,6 +47,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def graph_rows(config: EngineConfig) -> int:
+    """The decode graphs' largest batch: a row per sequence, and with speculative
+    decoding a row per draft too (verify steps replay them as rows), up to 512."""
+    rows = config.max_num_seqs
+    if config.speculative_method is not None:
+        rows = max(rows, min(rows * (1 + config.num_speculative_tokens), 512))
+    return rows
+
+
 def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[model_config.torch_dtype if name == "auto" else name]
 
@@ -124,7 +133,7 @@ class ModelRunner:
         ):
             from engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_len)
+            self.graphs = DecodeGraphs(self, graph_rows(config), max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
 

@@ -13,6 +13,7 @@ from test_engine_disaggregation import handoff
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.draft_trie import DraftTrie
+from engine.model_runner import graph_rows
 from engine.speculative import ngram_drafts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -180,3 +181,12 @@ def test_trie_drafts_the_most_frequent_continuation():
 def test_bad_settings_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_verify_steps_fit_the_decode_graphs():
+    """A verify step is a row per token: the graphs take every decoding sequence's
+    drafts (up to 512 rows), and no fewer rows than without speculation."""
+    assert graph_rows(EngineConfig(max_num_seqs=8)) == 8
+    assert graph_rows(EngineConfig(max_num_seqs=8, speculative_method="ngram")) == 40
+    assert graph_rows(EngineConfig(speculative_method="ngram")) == 512  # 256 x 5, capped
+    assert graph_rows(EngineConfig(max_num_seqs=1024, speculative_method="ngram")) == 1024
