@@ -13,6 +13,7 @@ from test_engine_disaggregation import handoff
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.draft_trie import DraftTrie
+from engine.make_model import TINY_PRESETS
 from engine.model_runner import graph_rows
 from engine.speculative import ngram_drafts
 
@@ -41,9 +42,7 @@ def generate(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.fixture(
-    scope="module", params=["tiny-llama", "tiny-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
-)
+@pytest.fixture(scope="module", params=TINY_PRESETS)
 def reference(request, model_dir):
     """Each preset's greedy outputs without speculation: a first round, then a second
     whose prompts extend the first's prompts and outputs (prefix hits)."""
