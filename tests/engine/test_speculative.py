@@ -84,6 +84,25 @@ def test_prefill_decode_split_equals_one_engine(model_dir):
     assert decode.get_stats()["kv_blocks_used"] == 0
 
 
+def test_logprobs_with_drafts_equal_no_speculation(model_dir):
+    """Every token, a kept draft's too, comes with its logprobs, as without drafts."""
+    folder = model_dir("tiny-llama")
+    prompts = quoting_prompts(500, count=6, seed=3)
+    params = GREEDY.clone(max_tokens=30, logprobs=3)
+    off = LLM(folder, dtype="float32", device="cpu").generate(prompts, params)
+    llm = LLM(folder, dtype="float32", device="cpu", speculative_method="ngram",
+              prompt_lookup_min=1)  # fmt: skip
+    on = llm.generate(prompts, params)
+    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    for a, b in zip((o.outputs[0] for o in off), (o.outputs[0] for o in on)):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+        for want, got in zip(a.logprobs, b.logprobs):
+            assert {t: v.rank for t, v in got.items()} == {t: v.rank for t, v in want.items()}
+            for t, v in want.items():
+                assert got[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+
+
 def _exact_distribution(llm: LLM, prompt: list[int], depth: int, top_k: int) -> dict:
     """P(first `depth` tokens) under temperature 1 and top_k, from the model's logprobs."""
     probs = {(): 1.0}
