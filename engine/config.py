@@ -14,7 +14,7 @@ _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "triton", "torch")
 _BACKUPS = ("all", "reused")
 _RUNNERS = ("model", "mock")
-_SPECULATIVE = ("ngram", "trie")
+_SPECULATIVE = ("ngram", "trie", "mtp")
 
 
 @dataclass(slots=True)
@@ -130,7 +130,8 @@ class EngineConfig:
     speculative_method: str | None = setting(
         None,
         "draft tokens and verify them in one step: ngram (prompt lookup in the request's own "
-        "tokens) or trie (that, then the worker's recent requests); off by default",
+        "tokens), trie (that, then the worker's recent requests) or mtp (a DeepSeek-V3 "
+        "checkpoint's multi-token prediction layer); off by default",
         choices=_SPECULATIVE,
     )
     num_speculative_tokens: int = setting(4, "speculative decoding: drafts per sequence a step")

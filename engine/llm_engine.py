@@ -92,7 +92,7 @@ class LLMEngine:
         if self.config.speculative_method is not None:  # steps then never run ahead
             drafter = Drafter(self.config.speculative_method, self.config.num_speculative_tokens,
                               self.config.prompt_lookup_min, self.config.prompt_lookup_max,
-                              self.max_model_len)  # fmt: skip
+                              self.max_model_len, self.runner.mtp_drafts)  # fmt: skip
         self.timing = StepTiming(self.runner.device.type == "cuda")
         self.stepper = Stepper(
             self.scheduler, self.runner, self.kv, self.tiers, self.disagg, self.timing,

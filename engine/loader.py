@@ -114,10 +114,11 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
 
 
 def build_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, layer_range=None
-) -> CausalLM:
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, layer_range=None,
+    mtp: bool = False,
+) -> CausalLM:  # fmt: skip
     with torch.device("meta"):
-        model = CausalLM(config, layer_range)
+        model = CausalLM(config, layer_range, mtp)
     _materialize(model, device, dtype)
     tied = model.embed_tokens is not None and model.lm_head is not None
     if config.tie_word_embeddings and tied:  # _materialize gives each name its own storage
@@ -143,15 +144,17 @@ def load_model(
     seed: int = 0,
     shard=None,
     stage=None,
+    mtp: bool = False,
 ) -> CausalLM:
     """`config` is what the model is built from (a rank's, with a `shard`); a `stage`
-    (a StagePlan) builds and loads that pipeline stage's layers only."""
+    (a StagePlan) builds and loads that pipeline stage's layers only; `mtp` loads
+    DeepSeek-V3's multi-token prediction layer too."""
     if load_format != "dummy":
         if model_dir is None:
             raise ValueError("a model folder is required unless load_format='dummy'")
         files = safetensors_files(Path(model_dir))  # fail before allocating the model
-    model = build_model(config, device, dtype, stage.layers if stage is not None else None)
-    targets = hf_weight_targets(config, stage)
+    model = build_model(config, device, dtype, stage.layers if stage is not None else None, mtp)
+    targets = hf_weight_targets(config, stage, mtp)
     params = dict(model.named_parameters(remove_duplicate=False))
     if load_format == "dummy":
         generator = torch.Generator(device=device)

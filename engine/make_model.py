@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from basis.model_config import ModelConfig
 from engine.loader import random_tensor
 from engine.models.hf_names import hf_weight_targets
+from engine.models.mtp import has_mtp
 from engine.presets import PRESETS, TINY_PRESETS, preset_config  # noqa: F401 - named from here too
 from engine.tokenizer_builder import write_tokenizer
 
@@ -60,8 +61,9 @@ def write_model(
 
 def _write_weights(out: Path, config: ModelConfig, dtype: torch.dtype, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    targets = hf_weight_targets(config)
-    shapes = _target_shapes(config, targets)
+    mtp = has_mtp(config)  # a DeepSeek-V3 preset's multi-token prediction layer, last
+    targets = hf_weight_targets(config, mtp=mtp)
+    shapes = _target_shapes(config, targets, mtp)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, shape in shapes.items():
@@ -92,11 +94,11 @@ def _write_weights(out: Path, config: ModelConfig, dtype: torch.dtype, seed: int
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _target_shapes(config: ModelConfig, targets) -> dict[str, tuple[int, ...]]:
+def _target_shapes(config: ModelConfig, targets, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     """Shape of each checkpoint tensor, read off a model built on the meta device."""
     from engine.models import CausalLM
 
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, mtp=mtp)
     params = dict(model.named_parameters(remove_duplicate=False))
     return {name: tuple(t.view(params[t.param]).shape) for name, t in targets.items()}

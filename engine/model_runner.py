@@ -18,7 +18,9 @@ from engine.config import EngineConfig
 from engine.grammar import masks_for
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
+from engine.models.mtp import has_mtp
 from engine.moe_settings import apply_moe_settings
+from engine.mtp_drafts import MTPDrafts
 from engine.parallel import comm
 from engine.parallel import state as parallel_state
 from engine.parallel.comm import agree_min
@@ -85,9 +87,15 @@ class ModelRunner:
         self.stage = None  # a pipeline stage: its layers only
         if state.pp_size > 1:
             self.stage = StagePlan(model_config.num_hidden_layers, state.pp_size, state.pp_stage)
+        mtp = config.speculative_method == "mtp"
+        if mtp and not has_mtp(model_config):
+            raise ValueError("speculative_method 'mtp' needs a DeepSeek-V3 checkpoint with a "
+                             "multi-token prediction layer (num_nextn_predict_layers)")  # fmt: skip
+        if mtp and self.parallel:
+            raise ValueError("speculative_method 'mtp' needs tensor_parallel_size 1")
         self.model = load_model(
             model_dir, shard_config, self.device, self.dtype, config.load_format, config.seed,
-            shard=self.shard if self.parallel else None, stage=self.stage,
+            shard=self.shard if self.parallel else None, stage=self.stage, mtp=mtp,
         )  # fmt: skip
         self.model.full_vocab_size = model_config.vocab_size
         apply_moe_settings(self.model, config)
@@ -108,7 +116,11 @@ class ModelRunner:
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
         if self.parallel:  # every rank's cache has the same blocks: the fewest that fit
             self.num_blocks = agree_min(self.num_blocks, self.device)
+        if mtp and not config.num_gpu_blocks:  # the MTP layer's cache: one layer more
+            layers = self.kv_spec.num_layers
+            self.num_blocks = max(2, self.num_blocks * layers // (layers + 1))
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
+        self.mtp_drafts = MTPDrafts(self) if mtp else None
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -129,6 +141,7 @@ class ModelRunner:
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
+            and self.mtp_drafts is None  # the MTP layer reads every step's hidden states
             and getattr(self.backend, "graph_safe", False)
         ):
             from engine.cuda_graphs import DecodeGraphs
@@ -271,6 +284,8 @@ class ModelRunner:
         if self.stage is not None:
             return self._launch_stage(inputs, masks)
         hidden = self.forward(inputs, layer_hook)
+        if self.mtp_drafts is not None:
+            self.mtp_drafts.record(seqs, num_new, block_tables, hidden)
         if not inputs.sample_seqs:
             return None
         with ops.using(self.kernel_mode):

@@ -17,6 +17,7 @@ Proposers:
   `prompt_lookup_max` down to `prompt_lookup_min` tokens that occurred before;
   its most recent earlier occurrence's next k tokens are the drafts.
 - trie: the same lookup over the worker's recent requests (`engine/draft_trie.py`).
+- mtp: a DeepSeek-V3 checkpoint's multi-token prediction layer (`engine/mtp_drafts.py`).
 
 A sequence gets drafts only when its sampling needs nothing beyond the row's
 logits: not with penalties (they depend on the tokens before each row) or a
@@ -34,7 +35,7 @@ import numpy as np
 from engine.draft_trie import DraftTrie
 from engine.sequence import Sequence
 
-METHODS = ("ngram", "trie")
+METHODS = ("ngram", "trie", "mtp")
 
 
 def ngram_drafts(tokens: np.ndarray, k: int, shortest: int, longest: int) -> list[int]:
@@ -109,10 +110,12 @@ class Drafter:
     """Proposes each decoding sequence's drafts after a step and settles them after
     the next one (the kept tokens, the KV of the rest rolled back)."""
 
-    def __init__(self, method: str, k: int, shortest: int, longest: int, max_model_len: int):
+    def __init__(self, method: str, k: int, shortest: int, longest: int, max_model_len: int,
+                 mtp=None):  # fmt: skip
         if method not in METHODS:
             raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
         self.method, self.k = method, k
+        self.mtp = mtp  # the runner's MTPDrafts (method mtp)
         self.shortest, self.longest = shortest, longest
         self.max_model_len = max_model_len
         self.trie = DraftTrie(shortest, longest) if method == "trie" else None
@@ -139,12 +142,18 @@ class Drafter:
         return max(0, min(self.k, left))
 
     def propose(self, seqs: list[Sequence]) -> None:
-        """Each eligible sequence's drafts for its next step (others get none)."""
+        """Each eligible sequence's drafts for its next step (others get none). With
+        mtp, the layer runs over the whole last step first (its KV), sampled or not."""
+        want = {}
         for seq in seqs:
             seq.draft_token_ids = []
-            if not eligible(seq):
-                continue
-            k = self.budget(seq)
+            if eligible(seq):
+                want[seq] = self.budget(seq)
+        if self.mtp is not None:
+            for seq, drafts in self.mtp.propose(want).items():
+                seq.draft_token_ids = drafts
+            return
+        for seq, k in want.items():
             if k == 0:
                 continue
             tokens = self._tokens(seq)

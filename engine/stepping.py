@@ -203,8 +203,8 @@ class Stepper:
         self.scheduler.commit(step.seqs, step.computed)
         if result is not None:
             self._apply(rows, step.overlap, touched)
-            if self.drafter is not None:
-                self.drafter.propose(list(dict.fromkeys(sampled)))
+        if self.drafter is not None:  # the next step's drafts (mtp: after every step)
+            self.drafter.propose(list(dict.fromkeys(sampled)))
         self.housekeeping()  # back up what just became free; finish copies that are done
 
     def _apply(self, rows, pending: bool, touched) -> None:

@@ -21,6 +21,7 @@ from engine.micro_batch import MicroBatchPolicy, run_micro_batches
 from engine.models.deepseek_moe import DeepseekMoE
 from engine.models.layers import MLP, Attention, RMSNorm, SparseMoE
 from engine.models.mla import MLAttention
+from engine.models.mtp import MultiTokenPredictor
 from engine.parallel import comm
 
 
@@ -61,9 +62,12 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None):
+    def __init__(
+        self, config: ModelConfig, layer_range: tuple[int, int] | None = None, mtp: bool = False
+    ):
         """`layer_range`: a pipeline stage's layers; the first stage embeds, the last has
-        the final norm and the LM head."""
+        the final norm and the LM head. `mtp`: with DeepSeek-V3's multi-token prediction
+        layer (`mtp.py`), for speculative decoding."""
         super().__init__()
         self.config = config
         first, stop = layer_range or (0, config.num_hidden_layers)
@@ -84,6 +88,7 @@ class CausalLM(nn.Module):
         rows, width = config.max_position_embeddings, config.head_dim
         self.register_buffer("cos_sin", torch.empty(rows, width), persistent=False)
         self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
+        self.mtp = MultiTokenPredictor(config) if mtp else None
         self.experts: ExpertBackend = LOCAL_EXPERTS
         self.micro_batching: MicroBatchPolicy | None = None  # ping-pong micro-batches
         self._fp32_logits = True

@@ -26,8 +26,9 @@ def _rows(start: int, stop: int) -> tuple:
     return (slice(start, stop),)
 
 
-def hf_weight_targets(config: ModelConfig, stage=None) -> dict[str, Target]:
-    """Every checkpoint tensor the model (or pipeline `stage`, a StagePlan) loads."""
+def hf_weight_targets(config: ModelConfig, stage=None, mtp: bool = False) -> dict[str, Target]:
+    """Every checkpoint tensor the model (or pipeline `stage`, a StagePlan) loads; with
+    `mtp`, DeepSeek-V3's multi-token prediction layer's too (after the rest)."""
     q, kv = config.q_size, config.kv_size
     first, stop = stage.layers if stage is not None else (0, config.num_hidden_layers)
     embeds, heads = first == 0, stop == config.num_hidden_layers
@@ -62,6 +63,26 @@ def hf_weight_targets(config: ModelConfig, stage=None) -> dict[str, Target]:
             for name in ("q_norm", "k_norm"):
                 out[f"{hf}.self_attn.{name}.weight"] = Target(f"{ours}.self_attn.{name}.weight", ())
         out.update(_mlp_targets(config, i, hf, ours))
+    if mtp:
+        out.update(_mtp_targets(config))
+    return out
+
+
+def _mtp_targets(config: ModelConfig) -> dict[str, Target]:
+    """The MTP layer's own tensors (its embedding and head copies are not read: the
+    main model's serve it)."""
+    from engine.models.mtp import mtp_config
+
+    config = mtp_config(config)
+    i = config.num_hidden_layers
+    hf, ours = f"model.layers.{i}", "mtp.block"
+    out = {f"{hf}.{name}.weight": Target(f"mtp.{name}.weight", ()) for name in ("enorm", "hnorm")}
+    out[f"{hf}.eh_proj.weight"] = Target("mtp.eh_proj", ())
+    out[f"{hf}.shared_head.norm.weight"] = Target("mtp.norm.weight", ())
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{hf}.{norm}.weight"] = Target(f"{ours}.{norm}.weight", ())
+    out.update(_mla_targets(config, hf, ours))
+    out.update(_mlp_targets(config, i, hf, ours))
     return out
 
 

@@ -69,6 +69,71 @@ def test_greedy_outputs_equal_no_speculation(reference, variant):
         assert stats["num_preemptions"] > 0
 
 
+MTP_VARIANTS = {
+    "mtp": dict(speculative_method="mtp"),
+    "mtp-k1-chunk-7": dict(
+        speculative_method="mtp", num_speculative_tokens=1, max_prefill_chunk=7
+    ),  # fmt: skip
+    "mtp-preemption": dict(
+        speculative_method="mtp", num_gpu_blocks=24, max_num_batched_tokens=256
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("variant", MTP_VARIANTS)
+def test_mtp_greedy_outputs_equal_no_speculation(model_dir, variant):
+    """tiny-deepseek-v3 carries an MTP layer (random: its drafts are seldom kept)."""
+    folder = model_dir("tiny-deepseek-v3")
+    prompts = quoting_prompts(500, count=8, seed=3)
+    expected = generate(LLM(folder, dtype="float32", device="cpu"), prompts)
+    llm = LLM(folder, dtype="float32", device="cpu", **MTP_VARIANTS[variant])
+    assert generate(llm, prompts) == expected
+    stats = llm.get_stats()
+    assert stats["spec_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    if variant.endswith("preemption"):
+        assert stats["num_preemptions"] > 0
+
+
+def test_mtp_drafts_do_not_depend_on_how_the_prompt_was_computed(model_dir, monkeypatch):
+    """The MTP layer's own KV is filled step by step (prompt chunks, verified drafts
+    rolled back, recompute after preemption): its drafts at every step equal those of
+    an engine that computed each prompt in one step and never preempted (as far as
+    each chain goes: a chain stops where its sequence's blocks end)."""
+    from engine.speculative import Drafter
+
+    seen: list[list] = []
+    propose = Drafter.propose
+
+    def recording(self, seqs):
+        propose(self, seqs)
+        seen[-1].extend((s.request_id, len(s.all_token_ids), tuple(s.draft_token_ids))
+                        for s in seqs if s.draft_token_ids)  # fmt: skip
+
+    monkeypatch.setattr(Drafter, "propose", recording)
+    folder = model_dir("tiny-deepseek-v3")
+    prompts = quoting_prompts(500, count=6, seed=5)
+    runs = []
+    for options in ({}, {"max_prefill_chunk": 5},
+                    {"num_gpu_blocks": 20, "max_num_batched_tokens": 256}):  # fmt: skip
+        seen.append([])
+        llm = LLM(folder, dtype="float32", device="cpu", speculative_method="mtp",
+                  num_speculative_tokens=3, enable_prefix_caching=False, **options)  # fmt: skip
+        runs.append(generate(llm, prompts))
+    assert runs[0] == runs[1] == runs[2]
+    drafts = [dict(((rid, n), d) for rid, n, d in run) for run in seen]
+    common = set(drafts[0]) & set(drafts[1]) & set(drafts[2])
+    assert len(common) > 50
+    for key in common:  # a chain stops where the sequence's blocks end: compare the start
+        a, b, c = (d[key] for d in drafts)
+        n = min(map(len, (a, b, c)))
+        assert a[:n] == b[:n] == c[:n], key
+
+
+def test_mtp_needs_a_checkpoint_with_the_layer(model_dir):
+    with pytest.raises(ValueError, match="multi-token prediction"):
+        LLM(model_dir("tiny-deepseek-v2"), device="cpu", speculative_method="mtp")
+
+
 def test_prefill_decode_split_equals_one_engine(model_dir):
     folder = model_dir("tiny-llama")
     cfg = dict(dtype="float32", device="cpu", speculative_method="ngram", prompt_lookup_min=1)
