@@ -4,6 +4,7 @@ metrics count the drafts it verified and kept."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -27,6 +28,16 @@ def test_mesh_with_drafts_serves_the_same_text(model_dir):
             r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
+        # streamed: several tokens a step arrive as one chunk; text and count add up
+        body |= {"prompt": prompts[0], "stream": True, "stream_options": {"include_usage": True}}
+        parts, usage = [], None
+        with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    parts += [c["text"] for c in chunk["choices"]]
+                    usage = chunk.get("usage") or usage
+        assert "".join(parts) == expected[0] and usage["completion_tokens"] == 40
 
         def tokens(kind: str) -> float:
             return sum(worker_metric(mesh, "yinian:spec_decode_tokens", where=f'kind="{kind}"')
