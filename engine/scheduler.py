@@ -103,6 +103,8 @@ class Scheduler:
             if seq.draft_token_ids and num_new == 1:  # a decode with drafts: verify them
                 del seq.draft_token_ids[budget - 1 :]
                 num_new += len(seq.draft_token_ids)
+            elif seq.draft_token_ids:  # not a decode this step: its drafts no longer fit
+                seq.draft_token_ids = []
             if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
                 continue
