@@ -103,7 +103,7 @@ class MTPDrafts:
         while chain:
             rows = []
             for s in chain:
-                position = s.num_computed_tokens + len(drafts[s])
+                position = s.num_computed_tokens + len(drafts[s]) - 1  # after the last row
                 rows.append(_rows(position, _Shifted([drafts[s][-1]], position), 1, table_of[s]))
             fits = [i for i, (s, x) in enumerate(zip(chain, rows))
                     if x.num_computed_tokens // r.block_size < len(x.table)]  # fmt: skip

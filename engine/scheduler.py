@@ -100,11 +100,6 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.draft_token_ids and num_new == 1:  # a decode with drafts: verify them
-                del seq.draft_token_ids[budget - 1 :]
-                num_new += len(seq.draft_token_ids)
-            elif seq.draft_token_ids:  # not a decode this step: its drafts no longer fit
-                seq.draft_token_ids = []
             if num_new == 0 or seq.ends_by_length(self.max_model_len):
                 i += 1
                 continue
@@ -121,7 +116,8 @@ class Scheduler:
                 continue
             # `seq` itself was preempted; the list shifted under i
         if batch.preempted:
-            return batch  # no admissions while memory is short
+            self._add_drafts(batch, 0)  # no admissions and no drafts while memory is short
+            return batch
         self._waiting.sort(key=self._order_key)
         for seq in list(self._waiting):
             if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
@@ -143,7 +139,25 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self._add_drafts(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Speculative decoding: a one-token decode verifies its drafts in the budget and
+        the free blocks nothing else in the step needed (earlier sequences first; drafts
+        never preempt). A scheduled sequence whose drafts do not fit drops them."""
+        for j, seq in enumerate(batch.seqs):
+            drafts = seq.draft_token_ids
+            if not drafts:
+                continue
+            del drafts[max(0, budget) :]
+            if batch.num_new_tokens[j] != 1 or not drafts:
+                seq.draft_token_ids = []
+            elif self.kv.allocate_slots(seq, 1 + len(drafts)):
+                batch.num_new_tokens[j] += len(drafts)
+                budget -= len(drafts)
+            else:
+                seq.draft_token_ids = []
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """How many of the sequence's remaining tokens to compute this step (0: not now)."""

@@ -22,8 +22,10 @@ Proposers:
 A sequence gets drafts only when its sampling needs nothing beyond the row's
 logits: not with penalties (they depend on the tokens before each row) or a
 grammar (its mask must advance token by token), and not when its blocks are held
-for a KV handoff. Speculation runs steps one at a time (no async scheduling):
-the next step's input depends on how many drafts were kept.
+for a KV handoff. A seeded sampled request gets none either: rejected rows would
+use up its generator's draws, and its tokens would then depend on the drafts.
+Speculation runs steps one at a time (no async scheduling): the next step's
+input depends on how many drafts were kept.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def eligible(seq: Sequence) -> bool:
     """Whether the sequence's tokens may be drafted (see the module's docstring)."""
     return (
         not seq.params.needs_penalties
+        and (seq.params.seed is None or seq.params.greedy)  # a seed gives the same tokens
         and seq.grammar is None
         and not seq.hold_blocks
         and not seq.is_finished
@@ -159,7 +162,7 @@ class Drafter:
             tokens = self._tokens(seq)
             drafts = ngram_drafts(tokens, k, self.shortest, self.longest)
             if not drafts and self.trie is not None:
-                drafts = self.trie.drafts(tokens, k)
+                drafts = self.trie.drafts(tokens, k, seq.namespace)
             seq.draft_token_ids = drafts
 
     def settle(self, rows: list[Sequence], result, seqs: list[Sequence], computed: list[int]):
@@ -192,5 +195,5 @@ class Drafter:
     def finished(self, seq: Sequence) -> None:
         """A sequence ended with its output: its tokens feed the trie."""
         if self.trie is not None:
-            self.trie.add(self._tokens(seq))
+            self.trie.add(self._tokens(seq), seq.namespace)
         seq.token_array = None

@@ -197,8 +197,9 @@ def test_sampled_outputs_keep_their_distribution(model_dir):
               speculative_method="trie", num_speculative_tokens=3)  # fmt: skip
 
     def sample(seeds) -> list[tuple[int, ...]]:
-        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=s,
-                                 ignore_eos=True) for s in seeds]  # fmt: skip
+        # unseeded: a seeded request gets no drafts (its tokens stay its seed's)
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+                  for _ in seeds]  # fmt: skip
         outs = llm.generate([prompt] * len(seeds), params)
         return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
 
@@ -227,6 +228,42 @@ def test_sampled_outputs_keep_their_distribution(model_dir):
     df = len(observed) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
     assert p_value > 1e-3, (chi2, df)
+
+
+def test_seeded_requests_keep_their_tokens(model_dir):
+    """A seeded sampled request answers the same with speculation on or off, also
+    after the trie has learned other answers to its prompt (it gets no drafts: drafts
+    rejected would use up its generator's draws)."""
+    folder = model_dir("tiny-llama")
+    prompt = quoting_prompts(500, count=1, seed=4)[0]
+    params = [SamplingParams(max_tokens=30, temperature=0.7, seed=s, ignore_eos=True)
+              for s in range(1, 9)]  # fmt: skip
+    off = LLM(folder, dtype="float32", device="cpu").generate([prompt] * 8, params)
+    llm = LLM(folder, dtype="float32", device="cpu", speculative_method="trie")
+    for i in range(8):  # one at a time: each after the trie learned the ones before
+        got = llm.generate([prompt], params[i])[0].outputs[0].token_ids
+        assert got == off[i].outputs[0].token_ids, i
+
+
+def test_drafts_take_only_the_budget_nothing_else_needs(model_dir):
+    """With a step budget of 8 tokens, drafting sequences leave room for every other
+    running sequence's token and for admitting the waiting ones."""
+    llm = LLM(model_dir("tiny-llama"), dtype="float32", device="cpu", max_num_batched_tokens=8,
+              speculative_method="trie")  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 6, 5 + i, 6] for i in range(4)]
+    llm.generate(prompts, params)  # the trie learns the answers: every decode has 4 drafts
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    made: dict[str, int] = {}
+    for _ in range(6):  # two steps of prompts, then every request decodes
+        for out in engine.step():
+            made[out.request_id] = len(out.outputs[0].token_ids)
+    assert sorted(made) == ["r0", "r1", "r2", "r3"] and min(made.values()) >= 2, made
+    assert engine.get_stats()["spec_draft_tokens"] > 0
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():
