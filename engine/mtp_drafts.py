@@ -60,15 +60,20 @@ class MTPDrafts:
         before = [s.num_computed_tokens for s in seqs]
         self._step = (list(seqs), list(num_new), before, tables, hidden)
 
-    def _forward(self, rows: list, counts: list[int], hidden: torch.Tensor):
+    def _forward(self, rows: list, hidden: torch.Tensor):
+        """The layer over `rows` (`_rows`) from `hidden`: each sequence's predicted next
+        token and the layer's output at its last row."""
         r = self.runner
         model = r.model
+        counts = [x.num_tokens - x.num_computed_tokens for x in rows]
         inputs = prepare_step(rows, counts, [x.table for x in rows], r.block_size, r.device)
-        embedded = comm.vocab_embedding(inputs.input_ids, model.embed_tokens, model.full_vocab_size)
-        out, normed = model.mtp(embedded, hidden, inputs.positions, model.cos_sin, self.cache,
-                                inputs.meta, r.backend)  # fmt: skip
-        last = inputs.sample_rows
-        tokens = model.compute_logits(normed.index_select(0, last)).argmax(dim=-1).tolist()
+        with ops.using(r.kernel_mode):
+            embedded = comm.vocab_embedding(inputs.input_ids, model.embed_tokens,
+                                            model.full_vocab_size)  # fmt: skip
+            out, normed = model.mtp(embedded, hidden, inputs.positions, model.cos_sin,
+                                    self.cache, inputs.meta, r.backend)  # fmt: skip
+            last = inputs.sample_rows
+            tokens = model.compute_logits(normed.index_select(0, last)).argmax(dim=-1).tolist()
         return tokens, out.index_select(0, last)
 
     @torch.inference_mode()
@@ -79,41 +84,34 @@ class MTPDrafts:
         if step is None:
             return {}
         seqs, num_new, before, tables, hidden = step
-        rows, counts, sources, last_of, table_of = [], [], [], {}, {}
+        rows, sources, last_of, table_of = [], [], {}, {}
         start = 0
         for seq, n, c0, table in zip(seqs, num_new, before, tables):
             keep = min(n, seq.num_computed_tokens - c0, len(seq.all_token_ids) - 1 - c0)
             if keep > 0 and not seq.is_finished:
                 shifted = _Shifted(seq.all_token_ids, -1)  # position p reads token p + 1
                 rows.append(_rows(c0, shifted, keep, table))
-                counts.append(keep)
                 sources.extend(range(start, start + keep))
                 last_of[seq], table_of[seq] = len(rows) - 1, table
             start += n
         if not rows:
             return {}
-        r = self.runner
         at = torch.tensor(sources, dtype=torch.long, device=hidden.device)
-        with ops.using(r.kernel_mode):
-            tokens, out = self._forward(rows, counts, hidden.index_select(0, at))
+        tokens, out = self._forward(rows, hidden.index_select(0, at))
         drafts = {s: [tokens[last_of[s]]] for s, k in want.items() if k > 0 and s in last_of}
-        # chained: the layer's own output and its last draft, one position on
+        # chained: the layer's own output and its last draft, one position on, while
+        # the sequence's blocks reach that far
+        state = {s: out[last_of[s]] for s in drafts}
         chain = [s for s in drafts if want[s] > 1]
-        state = {s: out[last_of[s]] for s in chain}
         while chain:
-            rows = []
-            for s in chain:
-                position = s.num_computed_tokens + len(drafts[s]) - 1  # after the last row
-                rows.append(_rows(position, _Shifted([drafts[s][-1]], position), 1, table_of[s]))
-            fits = [i for i, (s, x) in enumerate(zip(chain, rows))
-                    if x.num_computed_tokens // r.block_size < len(x.table)]  # fmt: skip
-            chain = [chain[i] for i in fits]
+            position = {s: s.num_computed_tokens + len(drafts[s]) - 1 for s in chain}
+            size = self.runner.block_size
+            chain = [s for s in chain if position[s] // size < len(table_of[s])]
             if not chain:
                 break
-            rows = [rows[i] for i in fits]
-            hidden_in = torch.stack([state[s] for s in chain])
-            with ops.using(r.kernel_mode):
-                tokens, out = self._forward(rows, [1] * len(rows), hidden_in)
+            rows = [_rows(position[s], _Shifted([drafts[s][-1]], position[s]), 1, table_of[s])
+                    for s in chain]  # fmt: skip
+            tokens, out = self._forward(rows, torch.stack([state[s] for s in chain]))
             for i, s in enumerate(chain):
                 drafts[s].append(tokens[i])
                 state[s] = out[i]

@@ -37,8 +37,6 @@ import numpy as np
 from engine.draft_trie import DraftTrie
 from engine.sequence import Sequence
 
-METHODS = ("ngram", "trie", "mtp")
-
 
 def ngram_drafts(tokens: np.ndarray, k: int, shortest: int, longest: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest
@@ -115,9 +113,8 @@ class Drafter:
 
     def __init__(self, method: str, k: int, shortest: int, longest: int, max_model_len: int,
                  mtp=None):  # fmt: skip
-        if method not in METHODS:
-            raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
-        self.method, self.k = method, k
+        """`method`: a checked `EngineConfig.speculative_method`."""
+        self.k = k
         self.mtp = mtp  # the runner's MTPDrafts (method mtp)
         self.shortest, self.longest = shortest, longest
         self.max_model_len = max_model_len
