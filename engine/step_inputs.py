@@ -68,10 +68,10 @@ def prepare_step(
     start = p = 0
     for i, (seq, n, k, table) in enumerate(zip(seqs, num_new, known, block_tables)):
         c = seq.num_computed_tokens
-        if drafts[i]:
-            ids[start : start + k] = (seq.all_token_ids + seq.draft_token_ids)[c : c + k]
-        else:
-            ids[start : start + k] = seq.all_token_ids[c : c + k]
+        known_ids = seq.all_token_ids[c : c + k]
+        if drafts[i]:  # then its drafts (without copying the whole sequence's tokens)
+            known_ids += seq.draft_token_ids[: k - len(known_ids)]
+        ids[start : start + k] = known_ids
         if k < n:  # its last token is pending: known only on the device
             tensor, index = seq.pending_token
             if n - k != 1 or (source is not None and tensor is not source):
