@@ -1,7 +1,8 @@
 """A test-only decode worker that breaks its streams on purpose, to provoke each way
 a stream can end early. It registers with the real scheduler, heartbeats over real
-NATS and serves the real `Decode` service, but has no engine: it streams made-up
-token ids and then does what its control file says (re-read on every request):
+NATS and serves the real `Decode` service (alone or over a gateway's link), but has
+no engine: it streams made-up token ids and then does what its control file says
+(re-read on every request):
 
     finish        every output to max_tokens, with its finish reason (a good worker)
     close K       K tokens, then the stream closes with status OK and no finish reason
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -32,7 +34,8 @@ from proto.yinian.v1 import (  # noqa: E402
 )
 from services.common.bus import EventBus, load_subject  # noqa: E402
 from services.common.processes import free_port  # noqa: E402
-from services.common.tls import aio_channel
+from services.common.tls import aio_channel  # noqa: E402
+from services.decode.link import Link  # noqa: E402
 
 FIRST_TOKEN = 20  # made-up token ids count up from here
 
@@ -64,6 +67,12 @@ class FaultyDecode(worker_pb2_grpc.DecodeServicer):
             await asyncio.sleep(0.2)  # the chunks reach the gateway first
             os.kill(os.getpid(), signal.SIGKILL)
         # "close": returning ends the call with OK, outputs unfinished
+
+    async def Link(self, request_iterator, context):
+        """The same requests over a gateway's link (services/decode/link.py)."""
+        link = Link(lambda request, _: self.Generate(request, context), contextlib.nullcontext)
+        async for down in link.serve(request_iterator):
+            yield down
 
 
 async def heartbeat(bus: EventBus, worker_id: str) -> None:

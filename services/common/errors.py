@@ -111,9 +111,16 @@ def http_status_of(exc: BaseException) -> tuple[int, str]:
     return _lookup(HTTP_STATUS, exc) or (500, "internal_error")
 
 
+def from_status(code: grpc.StatusCode, details: str = "") -> MeshError:
+    """The mesh error a downstream status stands for."""
+    return FROM_GRPC.get(code, WorkerUnavailable)(details or code.name)
+
+
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def from_grpc_error(exc: grpc.RpcError) -> MeshError:
     """Turns a downstream gRPC failure into the matching mesh error."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = FROM_GRPC.get(code, WorkerUnavailable)
-    return cls(details or code.name)
+    return from_status(code, details)

@@ -7,6 +7,7 @@ its own: never shared with another process, a taken one is a one-line error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
@@ -92,6 +93,15 @@ class InFlight(grpc.aio.ServerInterceptor):
             return counted
 
         return rewrap(handler, unary, stream)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Counts what runs inside as an open call (a request of a multiplexed call)."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._exit()
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no call is open, False if some still are after `timeout`."""

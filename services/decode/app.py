@@ -30,6 +30,8 @@ async def run(config: DecodeConfig) -> None:
         host.on_close(remote.close)
     core = DecodeCore(host.engine, config.worker_id, remote, host.shared)
     host.serve(
-        worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(core), "yinian.v1.Decode"
+        worker_pb2_grpc.add_DecodeServicer_to_server,
+        DecodeServicer(core, host.server.in_flight),
+        "yinian.v1.Decode",
     )
     await host.run()

@@ -52,7 +52,7 @@ async def run(config: GatewayConfig) -> None:
     check_listen_address(config.host, auth, config.allow_unauthenticated)
     tls = config.tls_files()
     scheduler = SchedulerClient(config.scheduler, tls=tls)
-    workers = WorkerPool(tls)
+    workers = WorkerPool(tls, links=config.worker_links)
     core = GatewayCore(
         config.served_model_name,
         config.model,

@@ -25,6 +25,7 @@ from services.common.errors import DeadlineExceeded, WorkerUnavailable, from_grp
 from services.common.grpc_streams import StreamIdle, read_stream
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
+from services.gateway.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 RECENT_SECONDS = 60.0
@@ -128,14 +129,37 @@ class SchedulerClient:
 
 
 class WorkerPool(WorkerChannels):
-    """The gateway's calls to workers."""
+    """The gateway's calls to workers: over one link a worker (worker_link.py), or
+    with `links=False` one Generate call a request."""
 
-    async def generate(
+    def __init__(self, tls: TlsFiles | None = None, links: bool = True):
+        super().__init__(tls)
+        self.links: dict[str, WorkerLink] | None = {} if links else None
+
+    def generate(
         self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
     ):
         """Streams the worker's chunks. A broken or silent worker becomes a
-        WorkerUnavailable / DeadlineExceeded; leaving early cancels the call, which
-        aborts the request on the worker (grpc_streams.read_stream says when)."""
+        WorkerUnavailable / DeadlineExceeded; leaving early aborts the request on
+        the worker."""
+        if self.links is None:
+            return self._call(address, request, timeout, idle_timeout)
+        link = self.links.get(address)
+        if link is None or link.broken is not None:
+            stub = self.stub(address, worker_pb2_grpc.DecodeStub)
+            link = WorkerLink(stub, address, tick=min(1.0, idle_timeout / 4, timeout / 4))
+            self.links[address] = link
+        return link.generate(request, timeout, idle_timeout)
+
+    async def close(self) -> None:
+        for link in (self.links or {}).values():
+            await link.close()
+        await super().close()
+
+    async def _call(
+        self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
+    ):
+        """One Generate call (grpc_streams.read_stream says when leaving cancels it)."""
         stub = self.stub(address, worker_pb2_grpc.DecodeStub)
         call = stub.Generate(request, timeout=timeout, metadata=grpc_metadata())
         try:

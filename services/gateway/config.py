@@ -45,6 +45,11 @@ class GatewayConfig(TlsSettings):
     block_size: int = setting(16, "the workers' KV block size (for prefix-aware placement)")
     request_timeout: float = setting(600.0, "seconds a request may take end to end")
     idle_timeout: float = setting(120.0, "seconds a worker may stay silent mid-stream")
+    worker_links: bool = setting(
+        True,
+        "one multiplexed call per worker carries every request placed there (a step's "
+        "tokens in one message); off: one Generate call a request",
+    )
     max_migrations: int = setting(
         2, "times a stream may move to another worker when its worker dies"
     )

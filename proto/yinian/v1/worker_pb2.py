@@ -26,39 +26,49 @@ from proto.yinian.v1 import common_pb2 as proto_dot_yinian_dot_v1_dot_common__pb
 from proto.yinian.v1 import scheduler_pb2 as proto_dot_yinian_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/worker.proto\x12\tyinian.v1\x1a\x1cproto/yinian/v1/common.proto\x1a\x1fproto/yinian/v1/scheduler.proto\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.yinian.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x15\n\rpublic_tokens\x18\t \x01(\r\"\xa0\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.yinian.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.yinian.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12(\n\x07timings\x18\n \x01(\x0b\x32\x17.yinian.v1.StageTimings\"\xed\x01\n\x0cStageTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_seconds\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x17\n\x0ftransfer_blocks\x18\x06 \x01(\r\x12\x16\n\x0eskipped_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\"\x10\n\x0eGetInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xac\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x18\n\x10transport_target\x18\x07 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x08 \x01(\x01\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.yinian.v1.SamplingParams\x12\x15\n\rdst_block_ids\x18\n \x03(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x15\n\rpublic_tokens\x18\x0c \x01(\r\"\x8c\x02\n\x0cPrefillChunk\x12\x13\n\x0blayers_sent\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x66irst_token_id\x18\t \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\n \x01(\x0b\x32\x1b.yinian.v1.PositionLogprobs\x12\x15\n\rcached_tokens\x18\x0b \x01(\r\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x82\x01\n\x06Worker\x12;\n\x07GetLoad\x12\x19.yinian.v1.GetLoadRequest\x1a\x15.yinian.v1.LoadReport\x12;\n\x07GetInfo\x12\x19.yinian.v1.GetInfoRequest\x1a\x15.yinian.v1.WorkerInfo2\x88\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.yinian.v1.GenerateRequest\x1a\x18.yinian.v1.GenerateChunk0\x01\x12:\n\x05\x41\x62ort\x12\x17.yinian.v1.AbortRequest\x1a\x18.yinian.v1.AbortResponse2\x92\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.yinian.v1.PrefillRequest\x1a\x17.yinian.v1.PrefillChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.yinian.v1.ReleaseKvRequest\x1a\x1c.yinian.v1.ReleaseKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/worker.proto\x12\tyinian.v1\x1a\x1cproto/yinian/v1/common.proto\x1a\x1fproto/yinian/v1/scheduler.proto\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.yinian.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x15\n\rpublic_tokens\x18\t \x01(\r\"\xa0\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.yinian.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.yinian.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12(\n\x07timings\x18\n \x01(\x0b\x32\x17.yinian.v1.StageTimings\"\xc2\x01\n\x06LinkUp\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.yinian.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12:\n\rtrace_context\x18\x03 \x03(\x0b\x32#.yinian.v1.LinkUp.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"V\n\x08LinkDown\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.yinian.v1.GenerateChunk\x12 \n\x04\x65nds\x18\x02 \x03(\x0b\x32\x12.yinian.v1.LinkEnd\"<\n\x07LinkEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xed\x01\n\x0cStageTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_seconds\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x17\n\x0ftransfer_blocks\x18\x06 \x01(\r\x12\x16\n\x0eskipped_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\"\x10\n\x0eGetInfoRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xac\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x18\n\x10transport_target\x18\x07 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x08 \x01(\x01\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.yinian.v1.SamplingParams\x12\x15\n\rdst_block_ids\x18\n \x03(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x15\n\rpublic_tokens\x18\x0c \x01(\r\"\x8c\x02\n\x0cPrefillChunk\x12\x13\n\x0blayers_sent\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x66irst_token_id\x18\t \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\n \x01(\x0b\x32\x1b.yinian.v1.PositionLogprobs\x12\x15\n\rcached_tokens\x18\x0b \x01(\r\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x82\x01\n\x06Worker\x12;\n\x07GetLoad\x12\x19.yinian.v1.GetLoadRequest\x1a\x15.yinian.v1.LoadReport\x12;\n\x07GetInfo\x12\x19.yinian.v1.GetInfoRequest\x1a\x15.yinian.v1.WorkerInfo2\xbc\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.yinian.v1.GenerateRequest\x1a\x18.yinian.v1.GenerateChunk0\x01\x12\x32\n\x04Link\x12\x11.yinian.v1.LinkUp\x1a\x13.yinian.v1.LinkDown(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.yinian.v1.AbortRequest\x1a\x18.yinian.v1.AbortResponse2\x92\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.yinian.v1.PrefillRequest\x1a\x17.yinian.v1.PrefillChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.yinian.v1.ReleaseKvRequest\x1a\x1c.yinian.v1.ReleaseKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.yinian.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LINKUP_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_LINKUP_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=107
   _globals['_GENERATEREQUEST']._serialized_end=348
   _globals['_GENERATECHUNK']._serialized_start=351
   _globals['_GENERATECHUNK']._serialized_end=639
-  _globals['_STAGETIMINGS']._serialized_start=642
-  _globals['_STAGETIMINGS']._serialized_end=879
-  _globals['_GETINFOREQUEST']._serialized_start=881
-  _globals['_GETINFOREQUEST']._serialized_end=897
-  _globals['_ABORTREQUEST']._serialized_start=899
-  _globals['_ABORTREQUEST']._serialized_end=933
-  _globals['_ABORTRESPONSE']._serialized_start=935
-  _globals['_ABORTRESPONSE']._serialized_end=965
-  _globals['_GETLOADREQUEST']._serialized_start=967
-  _globals['_GETLOADREQUEST']._serialized_end=983
-  _globals['_PREFILLREQUEST']._serialized_start=986
-  _globals['_PREFILLREQUEST']._serialized_end=1286
-  _globals['_PREFILLCHUNK']._serialized_start=1289
-  _globals['_PREFILLCHUNK']._serialized_end=1557
-  _globals['_RELEASEKVREQUEST']._serialized_start=1559
-  _globals['_RELEASEKVREQUEST']._serialized_end=1595
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1597
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1634
-  _globals['_WORKER']._serialized_start=1637
-  _globals['_WORKER']._serialized_end=1767
-  _globals['_DECODE']._serialized_start=1770
-  _globals['_DECODE']._serialized_end=1906
-  _globals['_PREFILL']._serialized_start=1909
-  _globals['_PREFILL']._serialized_end=2055
+  _globals['_LINKUP']._serialized_start=642
+  _globals['_LINKUP']._serialized_end=836
+  _globals['_LINKUP_TRACECONTEXTENTRY']._serialized_start=777
+  _globals['_LINKUP_TRACECONTEXTENTRY']._serialized_end=828
+  _globals['_LINKDOWN']._serialized_start=838
+  _globals['_LINKDOWN']._serialized_end=924
+  _globals['_LINKEND']._serialized_start=926
+  _globals['_LINKEND']._serialized_end=986
+  _globals['_STAGETIMINGS']._serialized_start=989
+  _globals['_STAGETIMINGS']._serialized_end=1226
+  _globals['_GETINFOREQUEST']._serialized_start=1228
+  _globals['_GETINFOREQUEST']._serialized_end=1244
+  _globals['_ABORTREQUEST']._serialized_start=1246
+  _globals['_ABORTREQUEST']._serialized_end=1280
+  _globals['_ABORTRESPONSE']._serialized_start=1282
+  _globals['_ABORTRESPONSE']._serialized_end=1312
+  _globals['_GETLOADREQUEST']._serialized_start=1314
+  _globals['_GETLOADREQUEST']._serialized_end=1330
+  _globals['_PREFILLREQUEST']._serialized_start=1333
+  _globals['_PREFILLREQUEST']._serialized_end=1633
+  _globals['_PREFILLCHUNK']._serialized_start=1636
+  _globals['_PREFILLCHUNK']._serialized_end=1904
+  _globals['_RELEASEKVREQUEST']._serialized_start=1906
+  _globals['_RELEASEKVREQUEST']._serialized_end=1942
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1944
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1981
+  _globals['_WORKER']._serialized_start=1984
+  _globals['_WORKER']._serialized_end=2114
+  _globals['_DECODE']._serialized_start=2117
+  _globals['_DECODE']._serialized_end=2305
+  _globals['_PREFILL']._serialized_start=2308
+  _globals['_PREFILL']._serialized_end=2454
 # @@protoc_insertion_point(module_scope)

@@ -161,6 +161,11 @@ class DecodeStub:
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/yinian.v1.Decode/Link',
+                request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.LinkUp.SerializeToString,
+                response_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.LinkDown.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/yinian.v1.Decode/Abort',
                 request_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -179,6 +184,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """Many requests over one call (the gateway keeps one per worker): requests and
+        cancels go up; chunks come down, those made in the same turn in one message,
+        and each request's LinkEnd after its last chunk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -192,6 +206,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=proto_dot_yinian_dot_v1_dot_worker__pb2.LinkUp.FromString,
+                    response_serializer=proto_dot_yinian_dot_v1_dot_worker__pb2.LinkDown.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -227,6 +246,33 @@ class Decode:
             '/yinian.v1.Decode/Generate',
             proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             proto_dot_yinian_dot_v1_dot_worker__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/yinian.v1.Decode/Link',
+            proto_dot_yinian_dot_v1_dot_worker__pb2.LinkUp.SerializeToString,
+            proto_dot_yinian_dot_v1_dot_worker__pb2.LinkDown.FromString,
             options,
             channel_credentials,
             insecure,

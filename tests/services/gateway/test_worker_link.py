@@ -1,0 +1,212 @@
+"""The gateway's link to a worker (Decode.Link): many requests over one real gRPC
+call on loopback, the worker side the decode service's own Link class, the gateway
+side its WorkerPool. Each request sees what a Generate call gave it: its chunks in
+order, then its end or its failure as the mesh error; a client that leaves aborts
+its request on the worker; a dead worker fails every request on its link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
+from services.common.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
+from services.common.grpc_server import InFlight
+from services.decode.link import Link
+from services.gateway.clients import WorkerPool
+
+
+class Worker(worker_pb2_grpc.DecodeServicer):
+    """Streams `max_tokens` made-up tokens a request, one a step (every `gap`
+    seconds, all running requests together, as an engine's decode step);
+    prompt token 1: fails with a ValueError after one token; 2: one token, then
+    silence. Records what it aborted and each LinkDown it sent."""
+
+    def __init__(self, gap: float = 0.005):
+        self.gap = gap
+        self.tick: asyncio.Event | None = None
+        self.aborted: list[str] = []
+        self.sent: list[worker_pb2.LinkDown] = []
+        self.calls = InFlight()
+        self.links = 0
+
+    async def chunks(self, request, carrier):
+        rid, kind = request.request_id, list(request.prompt_token_ids)[:1]
+        try:
+            for i in range(request.params.max_tokens):
+                yield worker_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i])
+                if kind == [1]:
+                    raise ValueError(f"{rid}: a bad request")
+                await asyncio.sleep(3600) if kind == [2] else await self.step()
+            yield worker_pb2.GenerateChunk(request_id=rid, finish_reason=1)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(rid)
+            raise
+
+    async def step(self) -> None:
+        if self.tick is None:
+            self.tick = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.gap, self._ticked)
+        await self.tick.wait()
+
+    def _ticked(self) -> None:
+        tick, self.tick = self.tick, None
+        tick.set()
+
+    async def Link(self, request_iterator, context):
+        self.links += 1
+        async for down in Link(self.chunks, self.calls.holding).serve(request_iterator):
+            self.sent.append(down)
+            yield down
+
+
+@contextlib.asynccontextmanager
+async def serving(worker: Worker):
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = WorkerPool()
+    try:
+        yield pool, f"127.0.0.1:{port}", server
+    finally:
+        await pool.close()
+        await server.stop(None)
+
+
+def request(rid: str, tokens: int = 5, kind: int = 7) -> worker_pb2.GenerateRequest:
+    params = worker_pb2.GenerateRequest().params
+    params.max_tokens = tokens
+    return worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[kind, 3], params=params)
+
+
+async def collect(pool, address, req, timeout=30.0, idle=30.0) -> list[int]:
+    tokens = []
+    async for chunk in pool.generate(address, req, timeout, idle):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+def test_requests_share_one_call_and_a_step_of_chunks_travels_as_one_message():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            got = await asyncio.gather(*(collect(pool, address, request(f"r{i}", 20))
+                                         for i in range(32)))  # fmt: skip
+            return worker, got
+
+    worker, got = asyncio.run(main())
+    assert got == [list(range(100, 120))] * 32
+    assert worker.links == 1
+    chunks = sum(len(d.chunks) for d in worker.sent)
+    assert chunks == 32 * 21
+    assert len(worker.sent) < chunks / 16, (len(worker.sent), chunks)  # a step's together
+    assert worker.calls.count == 0
+
+
+def test_a_failed_request_gets_its_error_and_the_others_go_on():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            good = asyncio.ensure_future(collect(pool, address, request("good", 30)))
+            with pytest.raises(InvalidRequest, match="bad: a bad request"):
+                await collect(pool, address, request("bad", 5, kind=1))
+            return await good
+
+    assert asyncio.run(main()) == list(range(100, 130))
+
+
+def test_a_reader_that_leaves_aborts_its_request_on_the_worker():
+    async def main():
+        worker = Worker(gap=0.01)
+        async with serving(worker) as (pool, address, _):
+            async with contextlib.aclosing(
+                pool.generate(address, request("leaver", 1000), 30, 30)
+            ) as chunks:
+                async for _ in chunks:
+                    break
+            other = await collect(pool, address, request("stayer", 3))
+            for _ in range(100):
+                if worker.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            return worker, other
+
+    worker, other = asyncio.run(main())
+    assert worker.aborted == ["leaver"]
+    assert other == [100, 101, 102]
+    assert worker.calls.count == 0
+
+
+def test_a_silent_worker_and_a_slow_request_end_in_deadline_exceeded():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            with pytest.raises(DeadlineExceeded, match="sent nothing for"):
+                await collect(pool, address, request("silent", 5, kind=2), idle=0.3)
+            with pytest.raises(DeadlineExceeded, match="past its timeout"):
+                await collect(pool, address, request("slow", 1000), timeout=0.3)
+            await asyncio.sleep(0.1)
+            return worker
+
+    worker = asyncio.run(main())
+    assert sorted(worker.aborted) == ["silent", "slow"]  # both cancelled on the worker
+
+
+def test_a_dead_worker_fails_every_request_on_its_link_and_a_new_link_follows():
+    async def main():
+        worker = Worker(gap=0.01)
+        async with serving(worker) as (pool, address, server):
+            runs = [asyncio.ensure_future(collect(pool, address, request(f"r{i}", 1000)))
+                    for i in range(4)]  # fmt: skip
+            await asyncio.sleep(0.2)
+            await server.stop(None)
+            errors = await asyncio.gather(*runs, return_exceptions=True)
+            port = int(address.rsplit(":", 1)[1])
+            again = grpc.aio.server()
+            worker_pb2_grpc.add_DecodeServicer_to_server(worker, again)
+            again.add_insecure_port(f"127.0.0.1:{port}")
+            await again.start()
+            try:
+                for _ in range(50):  # the channel reconnects within its back-off
+                    try:
+                        return errors, await collect(pool, address, request("after", 2))
+                    except WorkerUnavailable:
+                        await asyncio.sleep(0.1)
+            finally:
+                await again.stop(None)
+
+    errors, after = asyncio.run(main())
+    assert all(isinstance(e, WorkerUnavailable) for e in errors), errors
+    assert after == [100, 101]
+
+
+def test_a_request_id_already_running_on_the_link_is_refused():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            first = asyncio.ensure_future(collect(pool, address, request("twice", 50)))
+            await asyncio.sleep(0.05)
+            with pytest.raises(ValueError, match="already runs"):
+                await collect(pool, address, request("twice", 5))
+            return await first
+
+    assert asyncio.run(main()) == list(range(100, 150))
+
+
+def test_running_requests_count_as_open_calls_while_the_worker_drains():
+    async def main():
+        worker = Worker(gap=0.01)
+        async with serving(worker) as (pool, address, _):
+            runs = [asyncio.ensure_future(collect(pool, address, request(f"r{i}", 30)))
+                    for i in range(3)]  # fmt: skip
+            await asyncio.sleep(0.1)
+            during = worker.calls.count
+            idle = await worker.calls.wait_idle(10)
+            await asyncio.gather(*runs)
+            return during, idle, worker.calls.count
+
+    assert asyncio.run(main()) == (3, True, 0)
