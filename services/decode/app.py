@@ -29,9 +29,7 @@ async def run(config: DecodeConfig) -> None:
         host.on_close(client.close)
         host.on_close(remote.close)
     core = DecodeCore(host.engine, config.worker_id, remote, host.shared)
-    host.serve(
-        worker_pb2_grpc.add_DecodeServicer_to_server,
-        DecodeServicer(core, host.server.in_flight),
-        "yinian.v1.Decode",
-    )
+    servicer = DecodeServicer(core, host.server.in_flight)
+    host.serve(worker_pb2_grpc.add_DecodeServicer_to_server, servicer, "yinian.v1.Decode")
+    host.on_close(servicer.close_links)  # before the server stops: no call left open
     await host.run()

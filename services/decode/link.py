@@ -5,8 +5,9 @@ all the link's requests make go back in LinkDown messages, those made in the sam
 event-loop turn together, so a decode step of 64 streams costs one message and
 not 64. A request ends with a LinkEnd after its last chunk: code 0, or the gRPC
 status its failure would have had on Generate. The gateway closing its side, or
-the call breaking, aborts every request still running. Each running request
-counts as an open call while the worker drains."""
+the call breaking, aborts every request still running; so does the worker
+closing its links once it has drained. Each running request counts as an open
+call while the worker drains."""
 
 from __future__ import annotations
 
@@ -60,16 +61,24 @@ class Link:
         self.chunks_of, self.hold = chunks_of, hold
         self.outbox = Outbox()
         self.running: dict[str, asyncio.Task] = {}
+        self.closing = asyncio.get_running_loop().create_future()
+
+    def close(self) -> None:
+        """Ends the call (the worker is stopping): what is running is cancelled."""
+        if not self.closing.done():
+            self.closing.set_result(None)
 
     async def serve(self, ups: AsyncIterator[worker_pb2.LinkUp]) -> AsyncIterator:
         reader = asyncio.ensure_future(self._read(ups))
         try:
             while True:
                 take = asyncio.ensure_future(self.outbox.take())
-                await asyncio.wait((take, reader), return_when=asyncio.FIRST_COMPLETED)
-                if not take.done():  # the gateway closed its side (or the call broke)
+                ends = (take, reader, self.closing)
+                await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+                if not take.done():  # the gateway closed its side, the call broke, or closing
                     take.cancel()
-                    reader.result()
+                    if reader.done():
+                        reader.result()
                     return
                 yield take.result()
         finally:

@@ -22,6 +22,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, core: DecodeCore, calls: InFlight | None = None):
         self.core = core
         self.calls = calls  # the server's open calls: a link counts each request
+        self.links: set[Link] = set()
 
     async def Generate(self, request, context):
         await answer_at_once(context)
@@ -32,9 +33,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Link(self, request_iterator, context):
         hold = self.calls.holding if self.calls is not None else contextlib.nullcontext
         link = Link(self._link_chunks, hold)
-        async with aclosing(link.serve(request_iterator)) as downs:
-            async for down in downs:
-                yield down
+        self.links.add(link)
+        try:
+            async with aclosing(link.serve(request_iterator)) as downs:
+                async for down in downs:
+                    yield down
+        finally:
+            self.links.discard(link)
+
+    async def close_links(self) -> None:
+        """Ends every gateway's link (the worker drained and is stopping)."""
+        for link in list(self.links):
+            link.close()
 
     def _link_chunks(self, request, carrier: dict):
         return self._chunks(request, context_from_headers(carrier))

@@ -58,7 +58,8 @@ class Worker(worker_pb2_grpc.DecodeServicer):
 
     async def Link(self, request_iterator, context):
         self.links += 1
-        async for down in Link(self.chunks, self.calls.holding).serve(request_iterator):
+        self.link = Link(self.chunks, self.calls.holding)
+        async for down in self.link.serve(request_iterator):
             self.sent.append(down)
             yield down
 
@@ -210,3 +211,22 @@ def test_running_requests_count_as_open_calls_while_the_worker_drains():
             return during, idle, worker.calls.count
 
     assert asyncio.run(main()) == (3, True, 0)
+
+
+def test_a_worker_that_closes_its_links_ends_their_requests_and_the_call():
+    async def main():
+        worker = Worker(gap=0.01)
+        async with serving(worker) as (pool, address, server):
+            runs = [asyncio.ensure_future(collect(pool, address, request(f"r{i}", 1000)))
+                    for i in range(2)]  # fmt: skip
+            await asyncio.sleep(0.1)
+            worker.link.close()
+            errors = await asyncio.gather(*runs, return_exceptions=True)
+            started = asyncio.get_running_loop().time()
+            await server.stop(grace=5.0)  # nothing left open: no grace to wait out
+            return worker, errors, asyncio.get_running_loop().time() - started
+
+    worker, errors, stop_s = asyncio.run(main())
+    assert all(isinstance(e, WorkerUnavailable) for e in errors), errors
+    assert sorted(worker.aborted) == ["r0", "r1"]
+    assert stop_s < 1.0, stop_s
