@@ -11,7 +11,8 @@ through the mesh, and their differences; and each service's CPU use during the
 mesh's run, in cores.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
-           [--step-ms 5] [--token-us 20] [--traces] [--out bench/results/mesh_overhead.json]
+           [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
+           [--out bench/results/mesh_overhead.json]
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ def run(args, folder: Path) -> dict:
     traces = OtlpReceiver().start() if args.traces else None
     env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
                                      "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
+    if not args.worker_links:  # the gateway makes one Generate call a request
+        env["YINIAN_WORKER_LINKS"] = "false"
+    results["worker_links"] = args.worker_links
     spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args), env=env)
     with Mesh(spec) as mesh:
         url = f"{mesh.url}/v1/completions"
@@ -201,7 +205,10 @@ def run(args, folder: Path) -> dict:
                    "added_ttft_p50_ms": m["ttft_p50_ms"] - a["ttft_p50_ms"],
                    "added_ttft_p99_ms": m["ttft_p99_ms"] - a["ttft_p99_ms"],
                    "added_tpot_p50_us": (m["tpot_p50_ms"] - a["tpot_p50_ms"]) * 1e3,
-                   "cores": {n: (after[n] - before[n]) / wall for n in pids}}  # fmt: skip
+                   "cores": {n: (after[n] - before[n]) / wall for n in pids},
+                   # each service's CPU time over the tokens it streamed
+                   "cpu_us_per_token": {n: (after[n] - before[n]) / len(meshed) / OUTPUT_LEN * 1e6
+                                        for n in pids}}  # fmt: skip
             results["by_concurrency"].append(row)
             print(json.dumps(row), flush=True)
     if traces is not None:  # where a request's time goes, service by service (medians)
@@ -222,6 +229,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--traces", action="store_true", help="the services export their "
                         "spans (which slows them); the result adds each stage's median start "
                         "and length")  # fmt: skip
+    parser.add_argument(
+        "--no-worker-links",
+        dest="worker_links",
+        action="store_false",
+        help="the gateway makes one Generate call a request (no link a worker)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -234,15 +247,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def print_table(results: dict) -> None:
-    print("| streams | TTFT p50 engine / mesh ms | TTFT p99 engine / mesh ms | TPOT p50 engine / "
-          "mesh ms | gateway, scheduler, worker cores |")  # fmt: skip
-    print("|---|---|---|---|---|")
+    print(
+        "| streams | TTFT p50 engine / mesh ms | TTFT p99 engine / mesh ms | TPOT p50 engine / "
+        "mesh ms | gateway, scheduler, worker cores | gateway, worker CPU µs a token |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in results["by_concurrency"]:
-        e, m, cores = r["engine"], r["mesh"], r["cores"]
+        e, m, cores, us = r["engine"], r["mesh"], r["cores"], r.get("cpu_us_per_token", {})
         print(f"| {r['concurrency']} | {e['ttft_p50_ms']:.2f} / {m['ttft_p50_ms']:.2f} | "
               f"{e['ttft_p99_ms']:.2f} / {m['ttft_p99_ms']:.2f} | {e['tpot_p50_ms']:.3f} / "
               f"{m['tpot_p50_ms']:.3f} | {cores.get('gateway', 0):.2f}, "
-              f"{cores.get('scheduler', 0):.2f}, {cores.get('worker-0', 0):.2f} |")  # fmt: skip
+              f"{cores.get('scheduler', 0):.2f}, {cores.get('worker-0', 0):.2f} | "
+              f"{us.get('gateway', 0):.0f}, {us.get('worker-0', 0):.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

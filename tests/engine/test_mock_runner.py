@@ -70,4 +70,5 @@ def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
     for row in results["by_concurrency"]:
         assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]
         assert row["mesh"]["ttft_p50_ms"] > 0 and row["cores"]["gateway"] > 0
+        assert row["cpu_us_per_token"]["gateway"] > 0
     assert json.loads(out.read_text())["by_concurrency"][1]["concurrency"] == 4
