@@ -147,14 +147,24 @@ class EngineThread:
             pass
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
+        self._deliver_all([(request_id, item, final)])
+
+    def _deliver_all(self, items: list[tuple[str, object, bool]]) -> None:
+        """Hands each (request_id, item, final) to its request's queue: one wake-up a
+        loop for all of them (a step's outputs arrive together, not one call each)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            entry = self._queues.get(request_id)
-            if entry is not None and final:
-                del self._queues[request_id]
-        if entry is not None:
-            loop, queue = entry
+            for request_id, item, final in items:
+                entry = self._queues.get(request_id)
+                if entry is None:
+                    continue
+                if final:
+                    del self._queues[request_id]
+                loop, queue = entry
+                by_loop.setdefault(loop, []).append((queue, item))
+        for loop, puts in by_loop.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # the caller's loop closed; nobody is listening
                 pass
 
@@ -191,13 +201,12 @@ class EngineThread:
                 ids = list(self.engine.requests)
                 for request_id in ids:
                     self.engine.abort_request(request_id)
-                for request_id in ids:
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"), True)
+                error = RuntimeError(f"engine step failed: {exc}")
+                self._deliver_all([(request_id, error, True) for request_id in ids])
                 continue
             finally:
                 times["step"] += time.perf_counter() - start
-            for out in outputs:
-                self._deliver(out.request_id, out, out.finished)
+            self._deliver_all([(out.request_id, out, out.finished) for out in outputs])
             self._publish()
 
     def _publish(self, force: bool = False) -> None:
@@ -214,3 +223,8 @@ class EngineThread:
             with self._lock:
                 self._events.extend(events)
         self._times["publish"] += time.perf_counter() - start
+
+
+def _put_all(puts: list) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
