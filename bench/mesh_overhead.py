@@ -2,9 +2,12 @@
 (`--model-runner mock`: no weights, each step sleeps its modelled time) driven
 in this process through `AsyncLLM`, then as the one worker of a mesh behind the
 gateway and the scheduler, at each concurrency (closed loop: every client sends
-its next request when its last one ends).
+its next request when its last one ends; at least --min-requests requests a
+concurrency).
 
-Per concurrency: time to first token (send → the first chunk that carries a
+First the floor under each hop on this machine (bench/grpc_floor.py: a bare
+unary gRPC round trip between two processes, busy and idle). Per concurrency:
+time to first token (send → the first chunk that carries a
 token) and time per output token after it (the rest of the stream over the
 tokens after the first), percentiles over every request, the engine alone and
 through the mesh, and their differences; and each service's CPU use during the
@@ -12,7 +15,7 @@ mesh's run, in cores.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
            [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
-           [--out bench/results/mesh_overhead.json]
+           [--min-requests 32] [--floor-calls 300] [--out bench/results/mesh_overhead.json]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import h11
 import psutil
 
+from bench import grpc_floor
 from bench.otlp_receiver import OtlpReceiver, stages
 from bench.reliability.chaos import tiny_model
 from engine import SamplingParams
@@ -185,6 +189,9 @@ def run(args, folder: Path) -> dict:
                "num_gpu_blocks": 16384}  # fmt: skip
     results = {"step_ms": args.step_ms, "token_us": args.token_us, "prompt_len": PROMPT_LEN,
                "output_len": OUTPUT_LEN, "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
+    # the floor under each hop on this machine, in the same run
+    results["grpc_floor"] = grpc_floor.measure(args.floor_calls)
+    print(json.dumps({"grpc_floor": results["grpc_floor"]}), flush=True)
     traces = OtlpReceiver().start() if args.traces else None
     env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
                                      "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
@@ -196,12 +203,13 @@ def run(args, folder: Path) -> dict:
         url = f"{mesh.url}/v1/completions"
         pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
         for k, c in enumerate(args.concurrency):  # each its own prompts: no prefix hits
-            alone = asyncio.run(engine_alone(folder, options, c, args.rounds, 10 + k))
+            rounds = max(args.rounds, -(-args.min_requests // c))  # enough for percentiles
+            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k))
             before = cpu_seconds(pids)
-            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, args.rounds, 10 + k))
+            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, rounds, 10 + k))
             after = cpu_seconds(pids)
             a, m = summary(alone), summary(meshed)
-            row = {"concurrency": c, "engine": a, "mesh": m,
+            row = {"concurrency": c, "rounds": rounds, "engine": a, "mesh": m,
                    "added_ttft_p50_ms": m["ttft_p50_ms"] - a["ttft_p50_ms"],
                    "added_ttft_p99_ms": m["ttft_p99_ms"] - a["ttft_p99_ms"],
                    "added_tpot_p50_us": (m["tpot_p50_ms"] - a["tpot_p50_ms"]) * 1e3,
@@ -235,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_false",
         help="the gateway makes one Generate call a request (no link a worker)",
     )
+    parser.add_argument("--min-requests", type=int, default=32,
+                        help="requests at each concurrency at least (more rounds)")  # fmt: skip
+    parser.add_argument("--floor-calls", type=int, default=300,
+                        help="gRPC round trips timed for the floor, busy and idle")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -41,6 +41,7 @@ POLICY: dict[str, frozenset[str]] = {
     f"{_S}Scheduler/ListWorkers": frozenset({"gateway"}),
     f"{_S}Scheduler/Holders": frozenset(),  # the mesh's owner (tools) only
     f"{_S}Decode/Generate": frozenset({"gateway"}),
+    f"{_S}Decode/Link": frozenset({"gateway"}),  # Generate's requests, many a call
     f"{_S}Decode/Abort": frozenset({"gateway"}),
     f"{_S}Prefill/Prefill": WORKERS,
     f"{_S}Prefill/ReleaseKv": WORKERS,

@@ -4,9 +4,10 @@ The gateway sends each request, and a cancel when its client leaves; the chunks
 all the link's requests make go back in LinkDown messages, those made in the same
 event-loop turn together, so a decode step of 64 streams costs one message and
 not 64. A request ends with a LinkEnd after its last chunk: code 0, or the gRPC
-status its failure would have had on Generate. The gateway closing its side, or
-the call breaking, aborts every request still running; so does the worker
-closing its links once it has drained. Each running request counts as an open
+status its failure would have had on Generate. The gateway closing its side
+(no more requests) lets what runs finish, then the call ends; the call breaking
+aborts every request still running, and so does the worker closing its links
+once it has drained. Each running request counts as an open
 call while the worker drains."""
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from proto.yinian.v1 import worker_pb2
 from services.common.errors import grpc_status_of
 
 logger = logging.getLogger(__name__)
+# chunks a message at most (one a stream a step; with top-20 logprobs about 400
+# bytes each: messages stay far below the gateway's 64 MiB receive limit)
+MAX_CHUNKS = 4096
 
 # (the request, its trace context as a carrier) -> its chunks
 ChunksOf = Callable[[worker_pb2.GenerateRequest, dict], AsyncIterator[worker_pb2.GenerateChunk]]
@@ -44,13 +48,24 @@ class Outbox:
         self.ends.append(worker_pb2.LinkEnd(request_id=request_id, code=value, message=message))
         self._ready.set()
 
+    def poke(self) -> None:
+        """Wakes a take (which may then find nothing)."""
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self.chunks and not self.ends
+
     async def take(self) -> worker_pb2.LinkDown:
-        """Everything waiting, once there is something."""
+        """What is waiting, once there is something (or a poke): up to MAX_CHUNKS
+        chunks, and the ends once no chunk waits (an end goes after its request's
+        chunks)."""
         await self._ready.wait()
-        self._ready.clear()
-        down = worker_pb2.LinkDown(chunks=self.chunks, ends=self.ends)
-        self.chunks, self.ends = [], []
-        return down
+        chunks, self.chunks = self.chunks[:MAX_CHUNKS], self.chunks[MAX_CHUNKS:]
+        ends = []
+        if not self.chunks:
+            ends, self.ends = self.ends, []
+            self._ready.clear()
+        return worker_pb2.LinkDown(chunks=chunks, ends=ends)
 
 
 class Link:
@@ -69,19 +84,29 @@ class Link:
             self.closing.set_result(None)
 
     async def serve(self, ups: AsyncIterator[worker_pb2.LinkUp]) -> AsyncIterator:
+        """The call's messages down. A gateway that closes its side (no more
+        requests) gets what is running to its end first; a broken call or `close()`
+        cancels what is running."""
         reader = asyncio.ensure_future(self._read(ups))
+        take: asyncio.Future | None = None
         try:
             while True:
                 take = asyncio.ensure_future(self.outbox.take())
-                ends = (take, reader, self.closing)
-                await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
-                if not take.done():  # the gateway closed its side, the call broke, or closing
-                    take.cancel()
-                    if reader.done():
-                        reader.result()
+                waits = (take, self.closing) if reader.done() else (take, reader, self.closing)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if take.done():
+                    down = take.result()
+                    if down.chunks or down.ends:
+                        yield down
+                elif self.closing.done():
                     return
-                yield take.result()
+                else:
+                    reader.result()  # a broken call raises here
+                if reader.done() and not self.running and self.outbox.empty():
+                    return  # closed for new requests, and every request has ended
         finally:
+            if take is not None:
+                take.cancel()
             reader.cancel()
             for task in list(self.running.values()):
                 task.cancel()
@@ -105,24 +130,33 @@ class Link:
             return
         task = asyncio.get_running_loop().create_task(self._run(request, carrier))
         self.running[rid] = task
-        task.add_done_callback(lambda _: self.running.pop(rid, None))
+        task.add_done_callback(lambda _: self._gone(rid))  # also one cancelled unstarted
+
+    def _gone(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        self.outbox.poke()  # a closed link may be done now
 
     async def _run(self, request: worker_pb2.GenerateRequest, carrier: dict) -> None:
         rid = request.request_id
-        with self.hold():
-            try:
+        code, message = None, ""
+        try:
+            with self.hold():
                 chunks = self.chunks_of(request, carrier)
                 try:
                     async for chunk in chunks:
                         self.outbox.chunk(chunk)
                 finally:
                     await chunks.aclose()  # a cancelled request is aborted
-            except asyncio.CancelledError:
-                raise  # cancelled by the gateway (its client left) or the link's end
-            except Exception as exc:  # noqa: BLE001 - reported in-band, as Generate would
-                code = grpc_status_of(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    logger.exception("request %s failed on a link", rid, exc_info=exc)
-                self.outbox.end(rid, code, str(exc) or type(exc).__name__)
-                return
-        self.outbox.end(rid)
+        except asyncio.CancelledError:
+            # by the gateway (its client left), the link's end, or from within (a call
+            # of its own cancelled): said, so the gateway never waits on it (it drops
+            # an end it no longer waits for)
+            code, message = grpc.StatusCode.CANCELLED, "the request was cancelled"
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in-band, as Generate would
+            code, message = grpc_status_of(exc), str(exc) or type(exc).__name__
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("request %s failed on a link", rid, exc_info=exc)
+        finally:
+            self.running.pop(rid, None)
+            self.outbox.end(rid, code, message)

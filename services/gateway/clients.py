@@ -135,6 +135,7 @@ class WorkerPool(WorkerChannels):
     def __init__(self, tls: TlsFiles | None = None, links: bool = True):
         super().__init__(tls)
         self.links: dict[str, WorkerLink] | None = {} if links else None
+        self.closed = False
 
     def generate(
         self, address: str, request: worker_pb2.GenerateRequest, timeout: float, idle_timeout: float
@@ -144,15 +145,20 @@ class WorkerPool(WorkerChannels):
         the worker."""
         if self.links is None:
             return self._call(address, request, timeout, idle_timeout)
+        if self.closed:
+            raise WorkerUnavailable("the gateway is stopping")
         link = self.links.get(address)
         if link is None or link.broken is not None:
+            for gone in [a for a, k in self.links.items() if k.broken is not None]:
+                del self.links[gone]  # broken: its worker died, restarted or left
             stub = self.stub(address, worker_pb2_grpc.DecodeStub)
             link = WorkerLink(stub, address, tick=min(1.0, idle_timeout / 4, timeout / 4))
             self.links[address] = link
         return link.generate(request, timeout, idle_timeout)
 
     async def close(self) -> None:
-        for link in (self.links or {}).values():
+        self.closed = True
+        for link in list((self.links or {}).values()):
             await link.close()
         await super().close()
 

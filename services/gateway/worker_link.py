@@ -8,8 +8,8 @@ A request's reader sees the same things a Generate call gave: its chunks, then
 its end, or the mesh error its failure maps to. A link that breaks (the worker
 died, restarted or stopped) fails every request on it with WorkerUnavailable; the
 next request to that worker opens a new link. A request that is slower than its
-timeout, or whose worker stays silent for `idle_timeout` once it has streamed,
-ends in DeadlineExceeded (checked every `tick` seconds). A reader that leaves
+timeout, or whose worker stays silent for `idle_timeout` (before its first chunk
+or between two), ends in DeadlineExceeded (checked every `tick` seconds). A reader that leaves
 early sends a cancel, which aborts the request on the worker."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _DONE = object()  # a request's end, finished
 class _Request:
     """One request's chunks not yet read, and how it ended (None: still running)."""
 
-    __slots__ = ("chunks", "end", "over_there", "waiter", "last", "deadline", "idle", "streamed")
+    __slots__ = ("chunks", "end", "over_there", "waiter", "last", "deadline", "idle")
 
     def __init__(self, timeout: float, idle: float):
         self.chunks: deque = deque()
@@ -46,11 +46,9 @@ class _Request:
         self.last = time.monotonic()
         self.deadline = self.last + timeout
         self.idle = idle
-        self.streamed = False
 
     def push(self, chunk) -> None:
         self.chunks.append(chunk)
-        self.streamed = True
         self.last = time.monotonic()
         self._wake()
 
@@ -72,9 +70,12 @@ class WorkerLink:
         self.call = stub.Link()
         self.requests: dict[str, _Request] = {}
         self.broken: Exception | None = None
-        self._write_lock = asyncio.Lock()
+        # one task writes, so no reader's cancellation lands inside a write (that
+        # would cancel the whole call)
+        self._outgoing: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._spawn(self._read())
+        self._spawn(self._write())
         self._spawn(self._watch())
 
     def _spawn(self, coro) -> None:
@@ -94,7 +95,9 @@ class WorkerLink:
         state = _Request(timeout, idle_timeout)
         self.requests[rid] = state
         try:
-            await self._send(worker_pb2.LinkUp(request=request, trace_context=nats_headers()))
+            self._outgoing.put_nowait(
+                worker_pb2.LinkUp(request=request, trace_context=nats_headers())
+            )
             loop = asyncio.get_running_loop()
             while True:
                 if state.chunks:
@@ -111,20 +114,16 @@ class WorkerLink:
             if self.requests.get(rid) is state:
                 del self.requests[rid]
             if not state.over_there and self.broken is None:  # left early: abort it there
-                self._spawn(self._cancel(rid))
+                self._outgoing.put_nowait(worker_pb2.LinkUp(cancel=rid))
 
-    async def _cancel(self, rid: str) -> None:
-        try:
-            await self._send(worker_pb2.LinkUp(cancel=rid))
-        except WorkerUnavailable:
-            pass  # a link that is down has ended the request there too
-
-    async def _send(self, up: worker_pb2.LinkUp) -> None:
-        try:
-            async with self._write_lock:
+    async def _write(self) -> None:
+        while True:
+            up = await self._outgoing.get()
+            try:
                 await self.call.write(up)
-        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            raise WorkerUnavailable(f"worker {self.address}: the link is down ({exc})") from exc
+            except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                self._break(WorkerUnavailable(f"worker {self.address}: the link is down ({exc})"))
+                return
 
     async def _read(self) -> None:
         try:
@@ -167,7 +166,7 @@ class WorkerLink:
                     continue
                 if now > state.deadline:
                     state.finish(DeadlineExceeded(f"worker {self.address}: past its timeout"))
-                elif state.streamed and now - state.last > state.idle:
+                elif now - state.last > state.idle:
                     state.finish(DeadlineExceeded(
                         f"worker {self.address} sent nothing for {state.idle:.0f} s"))  # fmt: skip
 

@@ -60,12 +60,14 @@ def test_a_mesh_of_mock_workers_streams_and_reports_its_kv_blocks(model_dir):
 
 
 def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
-    """bench/mesh_overhead.py's dry run: every stream got all its tokens, alone and
-    through the mesh, and each service's CPU use was read."""
+    """bench/mesh_overhead.py's dry run: the gRPC floor was timed, every stream got
+    all its tokens, alone and through the mesh, and each service's CPU use was read."""
     from bench.mesh_overhead import main
 
     out = tmp_path / "overhead.json"
-    results = main(["--concurrency", "1,4", "--rounds", "2", "--step-ms", "2", "--out", str(out)])
+    results = main(["--concurrency", "1,4", "--rounds", "2", "--step-ms", "2",
+                    "--min-requests", "0", "--floor-calls", "20", "--out", str(out)])  # fmt: skip
+    assert 0 < results["grpc_floor"]["busy_p50_ms"] < 1000
     assert [r["concurrency"] for r in results["by_concurrency"]] == [1, 4]
     for row in results["by_concurrency"]:
         assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]

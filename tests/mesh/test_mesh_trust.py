@@ -44,6 +44,24 @@ def _generate(address: str, credential: str = "", max_tokens: int = 1500) -> lis
     return list(stub.Generate(request, timeout=30, metadata=metadata))
 
 
+def _link(address: str, credential: str) -> list:
+    """The same request over a link (Decode.Link), until its end."""
+    stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(address))
+    request = worker_pb2.GenerateRequest(
+        request_id="probe-link", prompt_token_ids=[1, 2, 3], tenant="tenantA",
+        params=common_pb2.SamplingParams(max_tokens=2),
+    )  # fmt: skip
+    call = stub.Link(iter([worker_pb2.LinkUp(request=request)]), timeout=30,
+                     metadata=[(mesh_token.KEY, credential)])  # fmt: skip
+    downs = []
+    for down in call:
+        downs.append(down)
+        if down.ends:
+            call.cancel()
+            return downs
+    return downs
+
+
 def test_direct_calls_without_the_mesh_token_are_refused(guarded_mesh):
     worker = list_workers(guarded_mesh)[0].info  # the test's own calls carry the token
     with pytest.raises(grpc.RpcError) as err:
@@ -68,7 +86,7 @@ def test_direct_calls_without_the_mesh_token_are_refused(guarded_mesh):
 
 def test_a_service_of_the_mesh_calls_only_what_its_kind_may(guarded_mesh):
     """Each service holds its own credential: a worker cannot probe another tenant's
-    cache through a worker's Generate (only the gateway names tenants), register
+    cache through a worker's Generate or Link (only the gateway names tenants), register
     another worker or place requests; the gateway cannot register a worker; a
     credential with a wrong secret is a stranger's."""
     mine = {n: guarded_mesh.child(n).env[mesh_token.ENV] for n in ("worker-0", "gateway")}
@@ -104,6 +122,11 @@ def test_a_service_of_the_mesh_calls_only_what_its_kind_may(guarded_mesh):
     assert err.value.code() == denied
     chunks = _generate(worker.address, mine["gateway"], max_tokens=2)  # the gateway's own
     assert chunks and chunks[-1].finish_reason
+    with pytest.raises(grpc.RpcError) as err:  # nor over a link
+        _link(worker.address, mine["worker-0"])
+    assert err.value.code() == denied
+    downs = _link(worker.address, mine["gateway"])
+    assert downs[-1].ends[0].code == 0 and any(c.finish_reason for d in downs for c in d.chunks)
     assert [w.info.worker_id for w in list_workers(guarded_mesh)] == [worker.worker_id]
     assert list_workers(guarded_mesh)[0].info.address == worker.address
 

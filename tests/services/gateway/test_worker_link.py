@@ -15,6 +15,7 @@ import pytest
 from proto.yinian.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
 from services.common.grpc_server import InFlight
+from services.decode import link as link_module
 from services.decode.link import Link
 from services.gateway.clients import WorkerPool
 
@@ -23,7 +24,8 @@ class Worker(worker_pb2_grpc.DecodeServicer):
     """Streams `max_tokens` made-up tokens a request, one a step (every `gap`
     seconds, all running requests together, as an engine's decode step);
     prompt token 1: fails with a ValueError after one token; 2: one token, then
-    silence. Records what it aborted and each LinkDown it sent."""
+    silence; 3: silence from the start; 4: a cancellation from within (a call of
+    its own cancelled). Records what it aborted and each LinkDown it sent."""
 
     def __init__(self, gap: float = 0.005):
         self.gap = gap
@@ -36,6 +38,10 @@ class Worker(worker_pb2_grpc.DecodeServicer):
     async def chunks(self, request, carrier):
         rid, kind = request.request_id, list(request.prompt_token_ids)[:1]
         try:
+            if kind == [3]:
+                await asyncio.sleep(3600)
+            if kind == [4]:
+                raise asyncio.CancelledError
             for i in range(request.params.max_tokens):
                 yield worker_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i])
                 if kind == [1]:
@@ -148,13 +154,15 @@ def test_a_silent_worker_and_a_slow_request_end_in_deadline_exceeded():
         async with serving(worker) as (pool, address, _):
             with pytest.raises(DeadlineExceeded, match="sent nothing for"):
                 await collect(pool, address, request("silent", 5, kind=2), idle=0.3)
+            with pytest.raises(DeadlineExceeded, match="sent nothing for"):
+                await collect(pool, address, request("mute", 5, kind=3), idle=0.3)
             with pytest.raises(DeadlineExceeded, match="past its timeout"):
                 await collect(pool, address, request("slow", 1000), timeout=0.3)
             await asyncio.sleep(0.1)
             return worker
 
     worker = asyncio.run(main())
-    assert sorted(worker.aborted) == ["silent", "slow"]  # both cancelled on the worker
+    assert sorted(worker.aborted) == ["mute", "silent", "slow"]  # all cancelled there
 
 
 def test_a_dead_worker_fails_every_request_on_its_link_and_a_new_link_follows():
@@ -230,3 +238,51 @@ def test_a_worker_that_closes_its_links_ends_their_requests_and_the_call():
     assert all(isinstance(e, WorkerUnavailable) for e in errors), errors
     assert sorted(worker.aborted) == ["r0", "r1"]
     assert stop_s < 1.0, stop_s
+
+
+def test_a_request_cancelled_within_the_worker_fails_at_once():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(WorkerUnavailable, match="cancelled"):
+                await collect(pool, address, request("inner", 5, kind=4), timeout=30, idle=30)
+            return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(main()) < 5  # not the request's timeout or idle wait
+
+
+def test_a_big_step_is_split_and_each_end_follows_its_chunks(monkeypatch):
+    monkeypatch.setattr(link_module, "MAX_CHUNKS", 5)
+
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            got = await asyncio.gather(*(collect(pool, address, request(f"r{i}", 6))
+                                         for i in range(12)))  # fmt: skip
+            return worker, got
+
+    worker, got = asyncio.run(main())
+    assert got == [list(range(100, 106))] * 12
+    assert max(len(d.chunks) for d in worker.sent) == 5
+    ended: set[str] = set()
+    for down in worker.sent:  # no chunk of a request after its end
+        assert not {c.request_id for c in down.chunks} & ended
+        ended |= {e.request_id for e in down.ends}
+    assert len(ended) == 12
+
+
+def test_readers_cancelled_at_once_leave_the_link_to_the_others():
+    async def main():
+        worker = Worker()
+        async with serving(worker) as (pool, address, _):
+            other = asyncio.ensure_future(collect(pool, address, request("other", 40)))
+            for i in range(20):  # clients that leave as soon as they came
+                task = asyncio.ensure_future(collect(pool, address, request(f"gone{i}", 40)))
+                await asyncio.sleep(0 if i % 2 else 0.001)
+                task.cancel()
+            return worker, await other
+
+    worker, other = asyncio.run(main())
+    assert other == list(range(100, 140))
+    assert worker.links == 1
