@@ -44,7 +44,9 @@ class GatewayConfig(TlsSettings):
     )
     block_size: int = setting(16, "the workers' KV block size (for prefix-aware placement)")
     request_timeout: float = setting(600.0, "seconds a request may take end to end")
-    idle_timeout: float = setting(120.0, "seconds a worker may stay silent mid-stream")
+    idle_timeout: float = setting(
+        120.0, "seconds a worker may stay silent (before a request's first token or between two)"
+    )
     worker_links: bool = setting(
         True,
         "one multiplexed call per worker carries every request placed there (a step's "
