@@ -130,10 +130,11 @@ class Link:
             return
         task = asyncio.get_running_loop().create_task(self._run(request, carrier))
         self.running[rid] = task
-        task.add_done_callback(lambda _: self._gone(rid))  # also one cancelled unstarted
+        task.add_done_callback(lambda _: self._gone(rid, task))  # also one cancelled unstarted
 
-    def _gone(self, rid: str) -> None:
-        self.running.pop(rid, None)
+    def _gone(self, rid: str, task: asyncio.Task) -> None:
+        if self.running.get(rid) is task:  # not a later request of the same id
+            del self.running[rid]
         self.outbox.poke()  # a closed link may be done now
 
     async def _run(self, request: worker_pb2.GenerateRequest, carrier: dict) -> None:
@@ -158,5 +159,6 @@ class Link:
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed on a link", rid, exc_info=exc)
         finally:
-            self.running.pop(rid, None)
+            if self.running.get(rid) is asyncio.current_task():
+                del self.running[rid]
             self.outbox.end(rid, code, message)

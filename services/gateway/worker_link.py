@@ -155,6 +155,7 @@ class WorkerLink:
         self.broken = error
         for state in self.requests.values():
             state.finish(error)
+        self.call.cancel()  # a write that failed leaves nothing to read (no-op if ended)
 
     async def _watch(self) -> None:
         """Ends requests past their timeout or silent too long, every `tick`."""
