@@ -159,6 +159,4 @@ class Link:
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed on a link", rid, exc_info=exc)
         finally:
-            if self.running.get(rid) is asyncio.current_task():
-                del self.running[rid]
             self.outbox.end(rid, code, message)

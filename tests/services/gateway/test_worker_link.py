@@ -97,15 +97,21 @@ async def collect(pool, address, req, timeout=30.0, idle=30.0) -> list[int]:
     return tokens
 
 
-def test_requests_share_one_call_and_a_step_of_chunks_travels_as_one_message():
+def side_by_side(count: int, tokens: int) -> tuple[Worker, list[list[int]]]:
+    """`count` requests of `tokens` tokens at once on one worker: it, and their tokens."""
+
     async def main():
         worker = Worker()
         async with serving(worker) as (pool, address, _):
-            got = await asyncio.gather(*(collect(pool, address, request(f"r{i}", 20))
-                                         for i in range(32)))  # fmt: skip
+            got = await asyncio.gather(*(collect(pool, address, request(f"r{i}", tokens))
+                                         for i in range(count)))  # fmt: skip
             return worker, got
 
-    worker, got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_requests_share_one_call_and_a_step_of_chunks_travels_as_one_message():
+    worker, got = side_by_side(32, 20)
     assert got == [list(range(100, 120))] * 32
     assert worker.links == 1
     chunks = sum(len(d.chunks) for d in worker.sent)
@@ -254,15 +260,7 @@ def test_a_request_cancelled_within_the_worker_fails_at_once():
 
 def test_a_big_step_is_split_and_each_end_follows_its_chunks(monkeypatch):
     monkeypatch.setattr(link_module, "MAX_CHUNKS", 5)
-
-    async def main():
-        worker = Worker()
-        async with serving(worker) as (pool, address, _):
-            got = await asyncio.gather(*(collect(pool, address, request(f"r{i}", 6))
-                                         for i in range(12)))  # fmt: skip
-            return worker, got
-
-    worker, got = asyncio.run(main())
+    worker, got = side_by_side(12, 6)
     assert got == [list(range(100, 106))] * 12
     assert max(len(d.chunks) for d in worker.sent) == 5
     ended: set[str] = set()
