@@ -116,7 +116,9 @@ def test_requests_share_one_call_and_a_step_of_chunks_travels_as_one_message():
     assert worker.links == 1
     chunks = sum(len(d.chunks) for d in worker.sent)
     assert chunks == 32 * 21
-    assert len(worker.sent) < chunks / 16, (len(worker.sent), chunks)  # a step's together
+    # a step's chunks travel together: one message a step would be 21, one a chunk 672;
+    # on a busy CPU the 32 requests' first steps straggle in (42 seen under load)
+    assert len(worker.sent) < chunks / 8, (len(worker.sent), chunks)
     assert worker.calls.count == 0
 
 
