@@ -12,10 +12,12 @@ Cases, each one request at a time, greedy:
 - again: each prompt served once before it is timed (trie drafts then follow
   the first answer; prompt lookup cannot see it).
 The time of a request's decode is its time less that of the same request's first
-token (measured alone); outputs with drafts are checked equal to those without.
+token (measured alone); outputs with drafts are checked equal to those without, and
+where one differs, the gap there between the two likeliest tokens without drafts is
+reported (in bf16 a near-tie can fall either way between a verify pass and a decode).
 
 Usage: python -m bench.gpu.speculative --out bench/results/speculative.json
-           [--device cpu] [--tokens 128] [--k 4]
+           [--device cpu] [--tokens 128] [--k 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from engine import LLM, SamplingParams
 from yinian.default_model import ensure_default_model
 
 
-def engine(section: Sections, folder, load_format: str, speculative: dict) -> LLM:
-    return LLM(folder, dtype="bfloat16" if section.cuda else "float32", device=section.device,
+def engine(section: Sections, folder, load_format: str, speculative: dict, dtype: str) -> LLM:
+    return LLM(folder, dtype=dtype, device=section.device,
                load_format=load_format, gpu_memory_utilization=0.4, max_num_seqs=8,
                **speculative)  # fmt: skip
 
@@ -72,21 +74,64 @@ def decode_rate(llm: LLM, prompts: list, tokens: int, again: bool) -> dict:
 MODES = ("off", "ngram", "trie")
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (the shorter one's length if one
+    is the other's start), None if they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def top2_gap(llm: LLM, prompt, position: int) -> dict:
+    """Without drafts, at `position` of the greedy answer: the two likeliest tokens'
+    logprobs and their gap. A gap within the dtype's rounding is a near-tie that the
+    verify pass (several positions in one pass, another summation order) can flip."""
+    params = SamplingParams(max_tokens=position + 1, temperature=0, ignore_eos=True, logprobs=2)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    ranked = sorted(out.logprobs[position].values(), key=lambda v: -v.logprob)[:2]
+    return {"position": position, "token": out.token_ids[position],
+            "top2_logprobs": [v.logprob for v in ranked],
+            "gap": ranked[0].logprob - ranked[1].logprob}  # fmt: skip
+
+
+def divergences(
+    section: Sections, folder, load_format: str, cases: dict, rows: dict, dtype: str
+) -> dict:
+    """For each output with drafts that differs from its output without: where, and
+    the gap there without drafts (one more engine without drafts, only if any differ)."""
+    found = {(case, mode, i): at for mode in MODES[1:] for case in cases
+             for i, (off, on) in enumerate(zip(rows["off"][case]["outputs"],
+                                               rows[mode][case]["outputs"]))
+             if (at := first_difference(off, on)) is not None}  # fmt: skip
+    if not found:
+        return {}
+    llm = engine(section, folder, load_format, {}, dtype)
+    try:
+        out: dict = {}
+        for (case, mode, i), at in found.items():
+            gap = top2_gap(llm, cases[case][0][i], at)
+            out.setdefault(case, {}).setdefault(mode, []).append({"prompt": i, **gap})
+        return out
+    finally:
+        llm.close()
+
+
 def compare(section: Sections, name: str, folder, load_format: str, cases: dict, tokens: int,
-            k: int, ceiling: dict) -> dict:  # fmt: skip
+            k: int, ceiling: dict, dtype: str) -> dict:  # fmt: skip
     """Each case (prompts, whether each is served once before it is timed) with
     speculation off, ngram and trie."""
     rows = {}
     for mode in MODES:
         options = {} if mode == "off" else {"speculative_method": mode,
                                             "num_speculative_tokens": k}  # fmt: skip
-        llm = engine(section, folder, load_format, options)
+        llm = engine(section, folder, load_format, options, dtype)
         try:
             rows[mode] = {case: decode_rate(llm, texts, tokens, again)
                           for case, (texts, again) in cases.items()}  # fmt: skip
             weight_bytes = llm.engine.runner.weight_bytes
         finally:
             llm.close()
+    differ = divergences(section, folder, load_format, cases, rows, dtype)
     floor = ceiling.get("copy_gbps", 0) * 1e9 / weight_bytes
     out = {"model": name, "weight_bytes": weight_bytes, "batch1_floor_tokens_per_s": floor}
     for case in cases:
@@ -100,7 +145,12 @@ def compare(section: Sections, name: str, folder, load_format: str, cases: dict,
                 "speedup": on["tokens_per_s"] / off["tokens_per_s"],
                 "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
                 "equal_outputs": on["outputs"] == off["outputs"],
+                "differences": differ.get(case, {}).get(mode, []),
             }  # fmt: skip
+            for d in out[case][mode]["differences"]:
+                print(f"  prompt {d['prompt']}: differs from token {d['position']}, where "
+                      f"the two likeliest tokens without drafts are {d['gap']:.4f} apart "
+                      f"in logprob")  # fmt: skip
             print(f"{name:10} {case:10} {mode:5} off {off['tokens_per_s']:8.1f} tok/s, on "
                   f"{on['tokens_per_s']:8.1f} ({out[case][mode]['speedup']:.2f}x), kept "
                   f"{on['accepted_tokens']} of {on['draft_tokens']} drafts, equal "
@@ -112,18 +162,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=None, help="output tokens a request")
     parser.add_argument("--k", type=int, default=4, help="drafts a step")
+    parser.add_argument("--dtype", default=None, help="bfloat16 on a GPU, float32 on the CPU")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
     tokens = args.tokens or (128 if cuda else 12)
     count = 4 if cuda else 1
     big = "llama3-8b" if cuda else "tiny-llama"
-    with Sections(args, script="speculative", k=args.k, tokens=tokens) as section:
+    with Sections(args, script="speculative", k=args.k, tokens=tokens, dtype=dtype) as section:
         ceiling = section("ceilings", lambda: ceilings.measure(section.device)) or {}
         default = str(ensure_default_model())
         quoting = quoting_prompts(count)
         cases = {"quoting": (quoting["code edit"], False), "again": (quoting["summary"], True)}
         section("default", lambda: compare(section, "pydoc-llama", default, "auto", cases,
-                                           tokens, args.k, ceiling))  # fmt: skip
+                                           tokens, args.k, ceiling, dtype))  # fmt: skip
 
         def big_model() -> dict:
             folder, load_format = preset_folder(section.tmp, big)
@@ -132,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
             cases = {"random": (random_prompts(count, 512, vocab, seed=3), False),
                      "repeating": ([segment * 8] * count, False),
                      "again": (random_prompts(count, 512, vocab, seed=4), True)}  # fmt: skip
-            return compare(section, big, folder, load_format, cases, tokens, args.k, ceiling)
+            return compare(section, big, folder, load_format, cases, tokens, args.k, ceiling,
+                           dtype)  # fmt: skip
 
         section(big, big_model)
         if cuda:
