@@ -54,6 +54,7 @@ def test_the_gpu_script_reports_where_outputs_with_drafts_differ(model_dir):
             "auto",
             {"c": ([prompt], False)},
             {m: {"c": {"outputs": [off]}} for m in ("off", "ngram", "trie")},
+            "float32",
         )
         == {}
     )
