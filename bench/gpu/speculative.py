@@ -38,7 +38,8 @@ from yinian.default_model import ensure_default_model
 
 def engine(section: Sections, folder, load_format: str, speculative: dict, dtype: str) -> LLM:
     return LLM(folder, dtype=dtype, device=section.device,
-               load_format=load_format, gpu_memory_utilization=0.4, max_num_seqs=8,
+               load_format=load_format, max_num_seqs=8,
+               gpu_memory_utilization=0.85 if dtype == "float32" else 0.4,
                **speculative)  # fmt: skip
 
 
