@@ -13,8 +13,15 @@ tokens after the first), percentiles over every request, the engine alone and
 through the mesh, and their differences; and each service's CPU use during the
 mesh's run, in cores.
 
+`--long-output-len N`: each concurrency also runs through the mesh with N tokens a
+request, and each service's CPU a request is split into what a request costs
+whatever its length and what each further streamed token costs (the slope between
+the two lengths: `cpu_us_per_extra_token`, `cpu_ms_per_request_fixed`), since the
+CPU over the tokens of short requests is mostly per-request work.
+
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
            [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
+           [--output-len 32] [--long-output-len 256]
            [--min-requests 32] [--floor-calls 300] [--out bench/results/mesh_overhead.json]
 """
 
@@ -37,7 +44,7 @@ from engine import SamplingParams
 from engine.async_llm import AsyncLLM
 from yinian.mesh import Mesh, MeshSpec
 
-PROMPT_LEN, OUTPUT_LEN = 128, 32
+PROMPT_LEN = 128
 
 
 def prompts(count: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
@@ -46,35 +53,35 @@ def prompts(count: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
             for i in range(count)]  # fmt: skip
 
 
-def timing(sent: float, token_times: list[float]) -> dict:
+def timing(sent: float, token_times: list[float], output_len: int) -> dict:
     ttft = token_times[0] - sent
-    rest = (token_times[-1] - token_times[0]) / max(1, OUTPUT_LEN - 1)
+    rest = (token_times[-1] - token_times[0]) / max(1, output_len - 1)
     return {"ttft": ttft, "tpot": rest, "tokens": len(token_times)}
 
 
-async def engine_request(llm: AsyncLLM, rid: str, prompt: list[int]) -> dict:
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+async def engine_request(llm: AsyncLLM, rid: str, prompt: list[int], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     sent, times = time.perf_counter(), []
     async for out in llm.generate(prompt, params, rid, delta=True):
         now = time.perf_counter()
         times.extend([now] * len(out.outputs[0].token_ids))
-    if len(times) != OUTPUT_LEN:
-        raise RuntimeError(f"the engine made {len(times)} tokens of {OUTPUT_LEN}")
-    return timing(sent, times)
+    if len(times) != output_len:
+        raise RuntimeError(f"the engine made {len(times)} tokens of {output_len}")
+    return timing(sent, times, output_len)
 
 
 class MeshClient:
     """One keep-alive HTTP/1.1 connection to the gateway (h11 over asyncio streams: a
     client light enough to leave the cores to the mesh), its requests one at a time."""
 
-    def __init__(self, host: str, port: int, model: str):
-        self.host, self.port, self.model = host, port, model
+    def __init__(self, host: str, port: int, model: str, output_len: int):
+        self.host, self.port, self.model, self.output_len = host, port, model, output_len
         self.reader = self.writer = None
 
     async def send(self, rid: str, prompt: list[int]) -> dict:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": OUTPUT_LEN,
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.output_len,
                            "temperature": 0, "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()  # fmt: skip
         conn = h11.Connection(h11.CLIENT)
@@ -105,9 +112,9 @@ class MeshClient:
                 for choice in chunk.get("choices") or []:
                     if choice.get("text") or choice.get("finish_reason") is None:
                         times.append(now)  # a token's chunk (the closing one may carry none)
-        if made != OUTPUT_LEN or not times:
-            raise RuntimeError(f"a stream made {made} tokens of {OUTPUT_LEN}")
-        return timing(sent, times)
+        if made != self.output_len or not times:
+            raise RuntimeError(f"a stream made {made} tokens of {self.output_len}")
+        return timing(sent, times, self.output_len)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -115,11 +122,11 @@ class MeshClient:
 
 
 class EngineClient:
-    def __init__(self, llm: AsyncLLM):
-        self.llm = llm
+    def __init__(self, llm: AsyncLLM, output_len: int):
+        self.llm, self.output_len = llm, output_len
 
     async def send(self, rid: str, prompt: list[int]) -> dict:
-        return await engine_request(self.llm, rid, prompt)
+        return await engine_request(self.llm, rid, prompt, self.output_len)
 
 
 async def closed_loop(clients: list, rounds: int, seed: int) -> tuple[list[dict], float]:
@@ -154,27 +161,38 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int, seed: int):
+async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int, seed: int,
+                       output_len: int):  # fmt: skip
     llm = AsyncLLM.from_model(str(folder), **options)
     try:
-        await engine_request(llm, "warm-up", prompts(1, seed=1)[0])  # not counted
-        rows, _ = await closed_loop([EngineClient(llm)] * concurrency, rounds, seed)
+        await engine_request(llm, "warm-up", prompts(1, seed=1)[0], output_len)  # not counted
+        rows, _ = await closed_loop([EngineClient(llm, output_len)] * concurrency, rounds, seed)
         return rows
     finally:
         llm.shutdown()
 
 
-async def through_mesh(url: str, model: str, concurrency: int, rounds: int, seed: int):
+async def through_mesh(url: str, model: str, concurrency: int, rounds: int, seed: int,
+                       output_len: int):  # fmt: skip
     host, port = url.split("//")[1].split("/")[0].split(":")
-    warm = MeshClient(host, int(port), model)
+    warm = MeshClient(host, int(port), model, output_len)
     await warm.send("warm-up", prompts(1, seed=1)[0])  # not counted
     warm.close()
-    clients = [MeshClient(host, int(port), model) for _ in range(concurrency)]
+    clients = [MeshClient(host, int(port), model, output_len) for _ in range(concurrency)]
     try:
         return await closed_loop(clients, rounds, seed)
     finally:
         for client in clients:
             client.close()
+
+
+def per_token_split(short: dict, short_len: int, long: dict, long_len: int) -> dict:
+    """Each service's CPU a request at two output lengths, split into the slope (µs a
+    further streamed token) and the intercept (ms a request whatever its length)."""
+    slope = {n: (long[n] - short[n]) / (long_len - short_len) for n in short}
+    return {"cpu_us_per_extra_token": {n: v * 1e6 for n, v in slope.items()},
+            "cpu_ms_per_request_fixed": {n: (short[n] - slope[n] * short_len) * 1e3
+                                         for n in short}}  # fmt: skip
 
 
 def engine_argv(args) -> list[str]:
@@ -188,7 +206,8 @@ def run(args, folder: Path) -> dict:
                "mock_token_us": args.token_us, "max_num_seqs": 512,
                "num_gpu_blocks": 16384}  # fmt: skip
     results = {"step_ms": args.step_ms, "token_us": args.token_us, "prompt_len": PROMPT_LEN,
-               "output_len": OUTPUT_LEN, "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
+               "output_len": args.output_len, "long_output_len": args.long_output_len,
+               "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
     # the floor under each hop on this machine, in the same run
     results["grpc_floor"] = grpc_floor.measure(args.floor_calls)
     print(json.dumps({"grpc_floor": results["grpc_floor"]}), flush=True)
@@ -202,21 +221,31 @@ def run(args, folder: Path) -> dict:
     with Mesh(spec) as mesh:
         url = f"{mesh.url}/v1/completions"
         pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
+
+        def meshed_run(c: int, rounds: int, seed: int, output_len: int):
+            """Rows, wall seconds and each service's CPU seconds a request."""
+            before = cpu_seconds(pids)
+            rows, wall = asyncio.run(through_mesh(url, folder.name, c, rounds, seed, output_len))
+            after = cpu_seconds(pids)
+            return rows, wall, {n: (after[n] - before[n]) / len(rows) for n in pids}
+
         for k, c in enumerate(args.concurrency):  # each its own prompts: no prefix hits
             rounds = max(args.rounds, -(-args.min_requests // c))  # enough for percentiles
-            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k))
-            before = cpu_seconds(pids)
-            meshed, wall = asyncio.run(through_mesh(url, folder.name, c, rounds, 10 + k))
-            after = cpu_seconds(pids)
+            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k, args.output_len))
+            meshed, wall, per_request = meshed_run(c, rounds, 10 + k, args.output_len)
             a, m = summary(alone), summary(meshed)
             row = {"concurrency": c, "rounds": rounds, "engine": a, "mesh": m,
                    "added_ttft_p50_ms": m["ttft_p50_ms"] - a["ttft_p50_ms"],
                    "added_ttft_p99_ms": m["ttft_p99_ms"] - a["ttft_p99_ms"],
                    "added_tpot_p50_us": (m["tpot_p50_ms"] - a["tpot_p50_ms"]) * 1e3,
-                   "cores": {n: (after[n] - before[n]) / wall for n in pids},
+                   "cores": {n: per_request[n] * len(meshed) / wall for n in pids},
                    # each service's CPU time over the tokens it streamed
-                   "cpu_us_per_token": {n: (after[n] - before[n]) / len(meshed) / OUTPUT_LEN * 1e6
-                                        for n in pids}}  # fmt: skip
+                   "cpu_us_per_token": {n: cpu / args.output_len * 1e6
+                                        for n, cpu in per_request.items()}}  # fmt: skip
+            if args.long_output_len:
+                row.update(per_token_split(per_request, args.output_len,
+                                           meshed_run(c, rounds, 50 + k, args.long_output_len)[2],
+                                           args.long_output_len))  # fmt: skip
             results["by_concurrency"].append(row)
             print(json.dumps(row), flush=True)
     if traces is not None:  # where a request's time goes, service by service (medians)
@@ -243,6 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_false",
         help="the gateway makes one Generate call a request (no link a worker)",
     )
+    parser.add_argument("--output-len", type=int, default=32, help="tokens a request")
+    parser.add_argument("--long-output-len", type=int, default=0,
+                        help="also run each concurrency through the mesh with this many "
+                        "tokens a request: the CPU a further token, apart from a "
+                        "request's")  # fmt: skip
     parser.add_argument("--min-requests", type=int, default=32,
                         help="requests at each concurrency at least (more rounds)")  # fmt: skip
     parser.add_argument("--floor-calls", type=int, default=300,
@@ -250,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.long_output_len and args.long_output_len <= args.output_len:
+        parser.error("--long-output-len must be more than --output-len")
     with tempfile.TemporaryDirectory() as tmp:
         results = run(args, tiny_model(Path(tmp) / "tiny-llama"))
     print_table(results)
@@ -271,6 +307,18 @@ def print_table(results: dict) -> None:
               f"{m['tpot_p50_ms']:.3f} | {cores.get('gateway', 0):.2f}, "
               f"{cores.get('scheduler', 0):.2f}, {cores.get('worker-0', 0):.2f} | "
               f"{us.get('gateway', 0):.0f}, {us.get('worker-0', 0):.0f} |")  # fmt: skip
+    split = [r for r in results["by_concurrency"] if "cpu_us_per_extra_token" in r]
+    if split:
+        print(f"\nOver {results['output_len']} and {results['long_output_len']} tokens a request:")
+        print(
+            "| streams | gateway, worker CPU µs a further token "
+            "| gateway, worker CPU ms a request |"
+        )
+        print("|---|---|---|")
+    for r in split:
+        us, ms = r["cpu_us_per_extra_token"], r["cpu_ms_per_request_fixed"]
+        print(f"| {r['concurrency']} | {us.get('gateway', 0):.0f}, {us.get('worker-0', 0):.0f} | "
+              f"{ms.get('gateway', 0):.2f}, {ms.get('worker-0', 0):.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

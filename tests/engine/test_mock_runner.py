@@ -66,6 +66,7 @@ def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "overhead.json"
     results = main(["--concurrency", "1,4", "--rounds", "2", "--step-ms", "2",
+                    "--output-len", "8", "--long-output-len", "24",
                     "--min-requests", "0", "--floor-calls", "20", "--out", str(out)])  # fmt: skip
     assert 0 < results["grpc_floor"]["busy_p50_ms"] < 1000
     assert [r["concurrency"] for r in results["by_concurrency"]] == [1, 4]
@@ -73,4 +74,8 @@ def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
         assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]
         assert row["mesh"]["ttft_p50_ms"] > 0 and row["cores"]["gateway"] > 0
         assert row["cpu_us_per_token"]["gateway"] > 0
+        # the split at two lengths gives back the CPU a request of the short length
+        for name, us in row["cpu_us_per_token"].items():
+            fixed = row["cpu_ms_per_request_fixed"][name] * 1e3
+            assert fixed + 8 * row["cpu_us_per_extra_token"][name] == pytest.approx(8 * us)
     assert json.loads(out.read_text())["by_concurrency"][1]["concurrency"] == 4
