@@ -34,6 +34,7 @@ SCRIPTS = (
     "parallel",
     "long_streams",
     "speculative",
+    "structured",
 )
 
 
