@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The wheels a device call carries (.whl): ../shared/tools/gpu-wheels.sh with what the
+# mesh and the GPU scripts need beyond its list, less what no device call uses, so that
+# the tree, the wheels and a stripped kernel cache stay under the 64 MiB a call carries.
+#   bash bench/gpu/wheels.sh            # then: carry [".whl", ".kcache.tgz"]
+# Python 3.12 x86-64 wheels, as the GPU machine runs; versions as installed here.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir=${DIR:-.whl}
+# hiredis (Redis replies), xxhash and blake3 (block checksums and tags), jsonschema and
+# its own (bench/gpu/structured.py validates answers with it)
+DIR=$dir bash ../shared/tools/gpu-wheels.sh hiredis xxhash blake3 jsonschema \
+  jsonschema-specifications referencing rpds-py attrs
+# llguidance's wheels of this version are tagged manylinux_2_31, which gpu-wheels.sh does not
+# ask for (it says "no wheel for llguidance==..."): fetched here with that tag
+v=$(python3 -m pip show llguidance 2>/dev/null | awk '/^Version:/{print $2}')
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  -d "$dir" "llguidance${v:+==$v}" 2>/dev/null || echo "no wheel for llguidance $v" >&2
+# the README's client example and `yinian up --tls`: no device call uses them
+rm -f "$dir"/openai-* "$dir"/cryptography-* "$dir"/cffi-* "$dir"/pycparser-*
+du -sh "$dir"
