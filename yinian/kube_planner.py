@@ -42,13 +42,17 @@ class DeploymentWorkers:
         self.deployment = self._get()
 
     def _get(self):
-        from kr8s import NotFoundError
+        """The Deployment, read once: one that is not there is said at once (kr8s's own
+        `Deployment.get` asks again for two seconds, for objects about to be created)."""
         from kr8s.objects import Deployment
 
-        try:
-            return Deployment.get(self.name, namespace=self.namespace, api=self.api)
-        except NotFoundError as exc:
-            raise ValueError(f"no Deployment {self.name} in namespace {self.namespace}") from exc
+        # the same query as kr8s's Deployment.get (a selector of the name: without one kr8s
+        # ends its own with a comma)
+        found = list(self.api.get(Deployment, self.name, namespace=self.namespace,
+                                  field_selector={"metadata.name": self.name}))  # fmt: skip
+        if not found:
+            raise ValueError(f"no Deployment {self.name} in namespace {self.namespace}")
+        return found[0]
 
     def _status(self) -> tuple[int, int]:
         """(spec.replicas, status.readyReplicas), read afresh."""
