@@ -35,11 +35,9 @@ import dataclasses
 import json
 import time
 
-import torch
-
 from bench.gpu import ceilings
 from bench.gpu.engine_checks import compare_greedy
-from bench.gpu.engine_rates import random_prompts
+from bench.gpu.engine_rates import random_prompts, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from engine import LLM, SamplingParams, StructuredOutput
@@ -129,12 +127,10 @@ class MaskClock:
 
 
 def timed_generate(llm: LLM, prompts, params) -> tuple[float, list]:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync(llm)
     return time.perf_counter() - start, outs
 
 
