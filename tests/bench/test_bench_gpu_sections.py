@@ -62,3 +62,30 @@ def test_a_resource_that_fails_fails_each_section_that_needs_it(tmp_path):
     assert attempts == [1]
     assert "no mesh" in results["a"]["error"] and "no mesh" in results["b"]["error"]
     assert results["c"] == "independent"
+
+
+def test_calls_that_split_a_script_merge_into_the_file_one_call_would_write(tmp_path):
+    from bench.merge_sections import main as merge_main
+
+    def call(name, skip, **sections):
+        with run(tmp_path, "--device", "cpu", "--out", str(tmp_path / name), "--skip", *skip) as s:
+            for section, fn in sections.items():
+                s(section, fn)
+        return tmp_path / name
+
+    first = call("a.json", ["workload"], ceilings=lambda: {"gbps": 1}, tier=lambda: 1 / 0,
+                 workload=lambda: pytest.fail("skipped"))  # fmt: skip
+    second = call("b.json", [], ceilings=lambda: {"gbps": 2}, tier=lambda: {"ms": 3},
+                  workload=lambda: {"on": 4})  # fmt: skip
+    merged = merge_main([str(first), str(second), "--out", str(tmp_path / "m.json")])
+    assert merged == json.loads((tmp_path / "m.json").read_text())
+    # the first call's ceilings stand; the second call's run replaces the first's error
+    assert (merged["ceilings"], merged["tier"], merged["workload"]) == ({"gbps": 1}, {"ms": 3},
+                                                                        {"on": 4})  # fmt: skip
+    assert merged["calls"] == {"a.json": ["ceilings"], "b.json": ["tier", "workload"]}
+    assert merged["repeated"] == {"ceilings": ["b.json"]}
+    assert set(merged["seconds"]) == {"ceilings", "tier", "workload"}
+    other = json.loads(second.read_text()) | {"script": "other"}
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="script 'other'"):
+        merge_main([str(first), str(tmp_path / "c.json"), "--out", str(tmp_path / "x.json")])
