@@ -10,15 +10,22 @@ all rows in one call to llguidance's executor, which fills them in parallel on
 its own threads (no Python loop per row): on CUDA the device runs the step
 meanwhile, so the masks cost no step time; then they move to the device and
 are applied there. (Computing them before the forward pass is queued would not
-help on CPU: they would take cores from it.) Preemption keeps a sequence's generated tokens, so its
-matcher stays in step; siblings of an n > 1 request each start from the
-compiled matcher.
+help on CPU: they would take cores from it.)
+
+With async scheduling a constrained sequence's next step is queued before its
+token is read back (`ahead`: the step and row that sampled it): the next step's
+mask job first reads that token (waiting for that step only, while the device
+runs the next forward pass) and advances the matcher by it (`catch_up`); the
+output processor's `accept` of the same token then takes that verdict.
+Preemption keeps a sequence's generated tokens, so its matcher stays in step;
+siblings of an n > 1 request each start from the compiled matcher.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +43,32 @@ class SequenceGrammar:
     def __init__(self, matcher, words: int):
         self.matcher = matcher
         self.words = words  # int32 words of its bitmask row
+        # a step queued ahead sampled its next token: (that step's sample, its row)
+        self.ahead: tuple[object, int] | None = None
+        self._early: deque[tuple[int, bool]] = deque()  # consumed by catch_up, not yet accepted
 
     def fill(self, row: np.ndarray) -> None:
         """Writes the allowed next tokens into `row` (int32, one bit per token)."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
+    def catch_up(self) -> None:
+        """Advances past the token a step queued ahead sampled (read back for it), before
+        the mask after it is filled."""
+        if self.ahead is not None:
+            sample, row = self.ahead
+            self.ahead = None
+            token = sample.token_ids()[row]
+            self._early.append((token, self.matcher.consume_token(token)))
+
     def accept(self, token_id: int) -> bool:
-        """Advances past a sampled token; False if the grammar does not allow it."""
+        """Advances past a sampled token; False if the grammar does not allow it. The
+        token `catch_up` consumed already is not consumed twice."""
+        if self._early:
+            token, allowed = self._early.popleft()
+            if token != token_id:
+                raise RuntimeError(f"grammar caught up on token {token}, then given {token_id}")
+            return allowed
+        self.ahead = None
         return self.matcher.consume_token(token_id)
 
     @property
@@ -135,15 +161,25 @@ class MaskJob:
         self.rows = rows  # which of the step's sampled sequences are constrained
         self._grammars = grammars
         self._bitmask: np.ndarray | None = None
+        self.fill_seconds = 0.0  # the host time filling the rows took (not the catch-up)
+
+    @property
+    def filled(self) -> bool:
+        return self._bitmask is not None
 
     def result(self) -> np.ndarray:
         if self._bitmask is None:
             grammars = self._grammars
-            self._bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
+            for grammar in grammars:  # the tokens of the step queued before this one
+                grammar.catch_up()
+            start = time.perf_counter()
+            bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
             if len(grammars) == 1:
-                grammars[0].fill(self._bitmask[0])
+                grammars[0].fill(bitmask[0])
             else:
-                _fill_all(grammars, self._bitmask)
+                _fill_all(grammars, bitmask)
+            self.fill_seconds = time.perf_counter() - start
+            self._bitmask = bitmask
         return self._bitmask
 
 

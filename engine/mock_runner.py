@@ -129,6 +129,10 @@ class _Modelled:
         if left > 0:
             time.sleep(left)
 
+    def token_ids(self) -> list[int]:
+        self.wait()
+        return self._sample.token_ids()
+
     def result(self):
         self.wait()
         return self._sample.result()

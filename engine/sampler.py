@@ -48,16 +48,23 @@ class PendingSample:
             self._event = torch.cuda.Event()
             self._event.record()
         self._host = host
+        self._token_ids: list[int] | None = None
 
     def wait(self) -> None:
         """Until the step that sampled these tokens (and all queued before it) is done."""
         if self._event is not None:
             self._event.synchronize()
 
+    def token_ids(self) -> list[int]:
+        """The sampled tokens, one per row, read back once."""
+        if self._token_ids is None:
+            self.wait()
+            self._token_ids = self._host[0].tolist()
+        return self._token_ids
+
     def result(self) -> SampleResult:
-        self.wait()
         seqs, wanted = self.seqs, self._wanted
-        token_ids = self._host[0].tolist()
+        token_ids = self.token_ids()
         logprobs = [None] * len(seqs)
         token_logprobs = [0.0] * len(seqs)  # only computed for rows that asked for logprobs
         if wanted:

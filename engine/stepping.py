@@ -9,10 +9,11 @@ A step is completed right after its launch, or, with async scheduling, during
 the next `run()` after the next launch: the host
 work of one step then overlaps the device work of the next, and each running
 sequence's next input token is read on the device from the step that
-sampled it (its `pending_token`). A step is not run ahead of when a sequence
-in it samples with penalties (they need every earlier token on the host),
-follows a grammar (its next mask needs this token on the host), forks (n > 1)
-or hands its KV off.
+sampled it (its `pending_token`). A sequence that follows a grammar runs ahead
+too: its next step's mask waits for this step's token (engine/grammar.py), read
+back while the device runs the next forward pass. A step is not run ahead of
+when a sequence in it samples with penalties (they need every earlier token on
+the host), forks (n > 1) or hands its KV off.
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class Stepper:
             for row, seq in enumerate(step.sample.seqs):
                 seq.num_pending += 1
                 seq.pending_token = (step.sample.tokens, row)
+                if seq.grammar is not None:
+                    seq.grammar.ahead = (step.sample, row)
         return step
 
     def _pipelined(self, touched: dict[str, RequestState]) -> None:
@@ -233,11 +236,7 @@ class Stepper:
 
 def _may_run_ahead(seq: Sequence) -> bool:
     """Whether the next step may be queued before this sequence's token is read
-    back: not when its sampling needs earlier tokens on the host (penalties, a
-    grammar's mask), its request forks (n > 1) or its blocks are held for a handoff."""
-    return (
-        not seq.params.needs_penalties
-        and seq.grammar is None
-        and seq.params.n == 1
-        and not seq.hold_blocks
-    )
+    back: not when its sampling needs earlier tokens on the host (penalties), its
+    request forks (n > 1) or its blocks are held for a handoff. (A grammar's mask
+    reads back the one token it needs.)"""
+    return not seq.params.needs_penalties and seq.params.n == 1 and not seq.hold_blocks

@@ -8,8 +8,15 @@ from __future__ import annotations
 import pytest
 from prompts import random_prompts
 
+from basis.structured_output import StructuredOutput
 from engine import LLM, SamplingParams
 from engine.sampler import PendingSample
+
+CHOICE = StructuredOutput.json_schema(
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "ok": {"type": "boolean"}},
+     "required": ["n", "ok"], "additionalProperties": False}
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,30 @@ def _workload(sync: LLM):
         SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=22, temperature=0, frequency_penalty=0.5, ignore_eos=True),
         SamplingParams(max_tokens=9, temperature=1.0, top_k=20, min_p=0.05, seed=11),
+        SamplingParams(max_tokens=30, temperature=0, structured_output=CHOICE),
+        SamplingParams(max_tokens=30, temperature=0.9, seed=5, structured_output=CHOICE),
     ]
+    prompts += random_prompts(512, (26, 8), seed=44)
     return prompts, params
+
+
+def _recorded(llm: LLM, monkeypatch, read: str) -> list[str]:
+    """The order of `llm`'s steps queued ("queue") and samples read back ("read", by
+    PendingSample's method `read`)."""
+    order = []
+    real_read, real_launch = getattr(PendingSample, read), llm.engine.runner.launch
+
+    def reading(self):
+        order.append("read")
+        return real_read(self)
+
+    def launch(*args, **kwargs):
+        order.append("queue")
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(PendingSample, read, reading)
+    llm.engine.runner.launch = launch
+    return order
 
 
 def _summary(out):
@@ -64,22 +93,8 @@ def test_every_kind_of_request_matches_plain_stepping(folder):
 def test_steps_really_overlap(folder, monkeypatch):
     """With async scheduling the next step is queued before the last one is read
     back; a stop costs at most one extra token per sequence."""
-    order = []
-    real_result = PendingSample.result
-
-    def result(self):
-        order.append("read")
-        return real_result(self)
-
-    monkeypatch.setattr(PendingSample, "result", result)
     sync, fast = _engines(folder)
-    real_launch = fast.engine.runner.launch
-
-    def launch(*args, **kwargs):
-        order.append("queue")
-        return real_launch(*args, **kwargs)
-
-    fast.engine.runner.launch = launch
+    order = _recorded(fast, monkeypatch, "result")
     prompts = random_prompts(512, (10, 25, 40, 5), seed=42)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     free = [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
@@ -98,6 +113,28 @@ def test_steps_really_overlap(folder, monkeypatch):
     sync_tokens = sync.get_stats()["num_tokens_processed"] - processed[0]
     extra = fast.get_stats()["num_tokens_processed"] - processed[1] - sync_tokens
     assert 0 <= extra <= stopped_early
+
+
+def test_constrained_steps_are_queued_ahead_too(folder, monkeypatch):
+    """A grammar's next mask needs the last token on the host: the next step is still
+    queued first, and its mask reads that one token back; outputs as plain stepping."""
+    sync, fast = _engines(folder)
+    order = _recorded(fast, monkeypatch, "token_ids")
+    prompts = random_prompts(512, (10, 25, 40, 5), seed=45)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output=CHOICE)
+    expected = [o.outputs[0] for o in sync.generate(prompts, params)]
+    order.clear()
+    got = [o.outputs[0] for o in fast.generate(prompts, params)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason) for o in expected
+    ]
+    assert all(o.finish_reason == "stop" and '"ok"' in o.text for o in got)
+    steps = order.count("queue")
+    assert steps > 5 and order[:4] == ["queue", "queue", "read", "read"]
+    # every decode step's mask read the step before it while that step was queued
+    queued_ahead = sum(a == "queue" and b == "read" for a, b in zip(order, order[1:]))
+    assert queued_ahead >= steps - 2
+    assert fast.get_stats()["kv_blocks_used"] == 0
 
 
 def test_abort_while_a_step_is_queued(folder):
