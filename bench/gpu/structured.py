@@ -20,7 +20,9 @@ Sections:
 - `default_dtypes` (pydoc-llama, the trained default model): 16 prompts, greedy, bf16
   against float32: how many outputs are equal, and for each that is not, where it
   parts and the gap there between the two tokens' float32 logprobs (a near-tie by
-  bench/gpu/engine_checks.py's rule when within 1e-2).
+  bench/gpu/engine_checks.py's rule when within 1e-2); beside it, transformers' bf16
+  and float32 answers to the same prompts on the same device
+  (bench/gpu/default_dtypes.py).
 
 Usage: python -m bench.gpu.structured --out bench/results/structured.json [--skip ...]
            [--device cpu]
@@ -36,7 +38,7 @@ import json
 import time
 
 from bench.gpu import ceilings
-from bench.gpu.engine_checks import compare_greedy
+from bench.gpu import default_dtypes as dtypes
 from bench.gpu.engine_rates import random_prompts, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
@@ -249,28 +251,10 @@ def tools(section: Sections, setup: Setup) -> dict:
 
 
 def default_dtypes(section: Sections, setup: Setup) -> dict:
-    folder = str(ensure_default_model())
     prompts = [f"Explain {TOPICS[i % 8]} in Python, example {i}." for i in
                range(setup.default_prompts)]  # fmt: skip
-    params = SamplingParams(max_tokens=setup.default_tokens, temperature=0, logprobs=5)
-    outs = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(folder, dtype=dtype, device=section.device, gpu_memory_utilization=0.3)
-        try:
-            outs[dtype] = llm.generate(prompts, params)
-        finally:
-            llm.close()
-    # float32 is the reference: a divergence's gap is read from its logprobs
-    rows = [compare_greedy(ref, got) for ref, got in zip(outs["float32"], outs["bfloat16"])]
-    equal = sum(r["equal"] for r in rows)
-    for i, r in enumerate(rows):
-        if not r["equal"]:
-            tie = "a near-tie" if r["near_tie"] else "not a near-tie"
-            print(f"  prompt {i}: parts at token {r['diverged_at']}, float32 logprob gap "
-                  f"{r['logprob_gap']:.4f} ({tie})")  # fmt: skip
-    print(f"default model: bf16 equals float32 on {equal} of {len(rows)} prompts", flush=True)
-    return {"prompts": len(rows), "equal": equal, "near_ties": sum(r["near_tie"] for r in rows),
-            "rows": rows}  # fmt: skip
+    return dtypes.default_dtypes(str(ensure_default_model()), prompts, setup.default_tokens,
+                                 section.device)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

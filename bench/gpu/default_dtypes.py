@@ -1,0 +1,106 @@
+"""The default model (pydoc-llama, trained) in bf16 against float32, greedy, in the
+engine and in Hugging Face transformers on the same device: the section
+`default_dtypes` of bench/gpu/structured.py.
+
+For each prompt: whether the engine's bf16 answer equals its float32 one, and
+where it parts, the gap there between the two tokens' float32 logprobs (a
+near-tie by bench/gpu/engine_checks.py's rule when within 1e-2). Beside it, the
+reference: transformers' own bf16 and float32 answers to the same token ids, and
+where they part. A prompt on which transformers' bf16 answer parts from its
+float32 one too is one whose greedy path bf16 rounding decides, whichever
+implementation rounds: the rule by which a part that is no near-tie is explained
+(`explained_by_reference`). The two bf16 implementations round in different
+places (attention, the order of sums), so they need not part at the same token.
+"""
+
+from __future__ import annotations
+
+from bench.gpu.engine_checks import compare_greedy
+from engine import LLM, SamplingParams
+
+DTYPES = ("float32", "bfloat16")
+
+
+def transformers_greedy(folder: str, prompts: list[list[int]], dtype: str, device: str,
+                        tokens: int) -> list[list[int]]:  # fmt: skip
+    """transformers' greedy answers (token ids, up to and with an end token), one prompt
+    at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    eos = model.config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos
+    answers = []
+    try:
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            with torch.no_grad():
+                out = model.generate(x, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+            answers.append(out[0, len(ids) :].tolist())
+    finally:
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return answers
+
+
+def parts_at(a: list[int], b: list[int]) -> int | None:
+    """The first token where two answers differ; None when they are the same (equal as
+    far as both go, one side at most one end token longer)."""
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return j
+    return None if abs(len(a) - len(b)) <= 1 else min(len(a), len(b))
+
+
+def same_answer(a: list[int], b: list[int]) -> bool:
+    return parts_at(a, b) is None
+
+
+def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) -> dict:
+    params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=5)
+    outs, ids = {}, []
+    for dtype in DTYPES:
+        llm = LLM(folder, dtype=dtype, device=device, gpu_memory_utilization=0.3)
+        try:
+            outs[dtype] = llm.generate(prompts, params)
+            ids = [llm.engine.tokenize(p) for p in prompts]
+        finally:
+            llm.close()
+    ref = {dtype: transformers_greedy(folder, ids, dtype, device, tokens) for dtype in DTYPES}
+    # float32 is the reference: a divergence's gap is read from its logprobs
+    rows = [compare_greedy(a, b) for a, b in zip(outs["float32"], outs["bfloat16"])]
+    for i, row in enumerate(rows):
+        engine_bf16 = outs["bfloat16"][i].outputs[0].token_ids
+        row["transformers_parts_at"] = parts_at(ref["float32"][i], ref["bfloat16"][i])
+        row["transformers_bf16_equals_float32"] = row["transformers_parts_at"] is None
+        row["equals_transformers_bf16"] = same_answer(engine_bf16, ref["bfloat16"][i])
+        row["explained_by_reference"] = not row["equal"] and (
+            not row["transformers_bf16_equals_float32"]
+        )
+        if not row["equal"]:
+            why = "a near-tie" if row["near_tie"] else "not a near-tie"
+            if row["explained_by_reference"]:
+                why += f"; transformers' bf16 parts too, at token {row['transformers_parts_at']}"
+            print(f"  prompt {i}: parts at token {row['diverged_at']}, float32 logprob gap "
+                  f"{row['logprob_gap']:.4f} ({why})")  # fmt: skip
+    n = len(rows)
+    counted = {
+        "equal": "equal",
+        "near_ties": "near_tie",
+        "explained_by_reference": "explained_by_reference",
+        "transformers_bf16_equals_float32": "transformers_bf16_equals_float32",
+        "engine_bf16_equals_transformers": "equals_transformers_bf16",
+    }
+    result = {"prompts": n, **{k: sum(r[f] for r in rows) for k, f in counted.items()}}
+    result["engine_float32_equals_transformers"] = sum(
+        same_answer(o.outputs[0].token_ids, r) for o, r in zip(outs["float32"], ref["float32"])
+    )
+    result["rows"] = rows
+    print(f"default model: bf16 equals float32 on {result['equal']} of {n} prompts "
+          f"(transformers: {result['transformers_bf16_equals_float32']} of {n}); the engine "
+          f"equals transformers on {result['engine_float32_equals_transformers']} (float32) and "
+          f"{result['engine_bf16_equals_transformers']} (bf16) of {n}", flush=True)  # fmt: skip
+    return result
