@@ -35,6 +35,7 @@ SCRIPTS = (
     "long_streams",
     "speculative",
     "structured",
+    "default_dtypes",
 )
 
 

@@ -11,12 +11,22 @@ float32 one too is one whose greedy path bf16 rounding decides, whichever
 implementation rounds: the rule by which a part that is no near-tie is explained
 (`explained_by_reference`). The two bf16 implementations round in different
 places (attention, the order of sums), so they need not part at the same token.
+
+Alone (the same section with more prompts, on either device):
+    python -m bench.gpu.default_dtypes --out bench/results/default_dtypes_cpu.json
+           --device cpu --prompts 96 --tokens 64
+(default: 16 prompts of 64 tokens on CUDA; the dry run, 2 of 8)
 """
 
 from __future__ import annotations
 
 from bench.gpu.engine_checks import compare_greedy
+from bench.gpu.sections import Sections, script_parser
 from engine import LLM, SamplingParams
+from yinian.default_model import ensure_default_model
+
+TOPICS = ["assert", "lambda", "for loops", "the import statement", "decorators", "generators",
+          "list comprehensions", "exceptions"]  # fmt: skip
 
 DTYPES = ("float32", "bfloat16")
 
@@ -104,3 +114,26 @@ def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) ->
           f"equals transformers on {result['engine_float32_equals_transformers']} (float32) and "
           f"{result['engine_bf16_equals_transformers']} (bf16) of {n}", flush=True)  # fmt: skip
     return result
+
+
+def prompts(count: int) -> list[str]:
+    return [f"Explain {TOPICS[i % 8]} in Python, example {i}." for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument("--prompts", type=int)
+    parser.add_argument("--tokens", type=int)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.prompts = args.prompts or (16 if cuda else 2)
+    args.tokens = args.tokens or (64 if cuda else 8)
+    with Sections(args, script="default_dtypes", prompts=args.prompts) as section:
+        folder, asked = str(ensure_default_model()), prompts(args.prompts)
+        section("default_dtypes",
+                lambda: default_dtypes(folder, asked, args.tokens, section.device))  # fmt: skip
+        return section.results
+
+
+if __name__ == "__main__":
+    main()

@@ -62,8 +62,7 @@ class Setup:
 
 GPU = Setup("llama3-8b", "bfloat16", 64, 256, 400, 600, 16, 64)
 DRY = Setup("tiny-llama", "float32", 4, 16, 400, 600, 2, 8)
-TOPICS = ["assert", "lambda", "for loops", "the import statement", "decorators", "generators",
-          "list comprehensions", "exceptions"]  # fmt: skip
+TOPICS = dtypes.TOPICS
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object",
@@ -251,8 +250,7 @@ def tools(section: Sections, setup: Setup) -> dict:
 
 
 def default_dtypes(section: Sections, setup: Setup) -> dict:
-    prompts = [f"Explain {TOPICS[i % 8]} in Python, example {i}." for i in
-               range(setup.default_prompts)]  # fmt: skip
+    prompts = dtypes.prompts(setup.default_prompts)
     return dtypes.default_dtypes(str(ensure_default_model()), prompts, setup.default_tokens,
                                  section.device)  # fmt: skip
 

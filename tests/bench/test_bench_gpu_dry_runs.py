@@ -58,6 +58,7 @@ EXPECTED = {
     "long_streams": {"ceilings": "ok", "colocated": "ok", "split": "ok"},
     "speculative": {"ceilings": "ok", "default": "ok", "tiny-llama": "ok"},
     "structured": {"ceilings": "ok", "constrained": "ok", "tools": "ok", "default_dtypes": "ok"},
+    "default_dtypes": {"default_dtypes": "ok"},
     "kvstore": {
         "ceilings": "ok",
         "host_load": "ok",
