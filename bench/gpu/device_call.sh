@@ -2,7 +2,8 @@
 # One call on a lent GPU machine: installs the mesh's wheels (.whl, made by
 # ../shared/tools/gpu-wheels.sh and carried), restores the kernel caches (.kcache.tgz,
 # carried, if any), runs each `module args...` given as one quoted argument with
-# its output under $OUT, then brings the kernel caches and the meshes' logs back.
+# its output under $OUT, then brings the kernel caches (compiled kernels only) and the
+# meshes' logs back.
 #   bash bench/gpu/device_call.sh 480 "bench.gpu.kvstore --skip workload --out \$OUT/kvstore.json"
 # The first argument is the seconds all runs may take together (the call's limit
 # less the packing at the end).
@@ -26,6 +27,10 @@ for run in "$@"; do
   echo "== $run (up to ${left} s)"
   eval timeout "$left" python3 -m "$run" 2>&1 | grep -v fork_posix | tee "$OUT/$name.log" | tail -40
 done
+# only what a later call loads: each kernel's cubin and metadata, the launchers (the
+# intermediate IRs and sources are most of the bytes, and Triton skips a group's missing files)
+find .kcache -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
+  -o -name '*.source' \) -delete
 tar czf "$OUT/kcache.tgz" .kcache
 tar czf "$OUT/meshlogs.tgz" --exclude='yinian-redis-*' /tmp/yinian-*/ 2>/dev/null
 ls -la "$OUT"
