@@ -31,6 +31,25 @@ def test_a_mock_engine_answers_a_prompt_alike_each_time_in_its_modelled_time(mod
     assert len(sampled.outputs[0].logprobs) == 6
 
 
+def test_a_mock_engine_queues_constrained_steps_ahead_alike(model_dir):
+    """Structured outputs on the mock runner with async scheduling (its steps' tokens
+    read back once the modelled step is over): the answers match the grammar and are
+    those of plain stepping."""
+    from basis.structured_output import StructuredOutput
+
+    spec = StructuredOutput.choice(["yes", "no", "maybe not"])
+    params = SamplingParams(max_tokens=12, temperature=0, structured_output=spec)
+    prompts = random_prompts(500, (5, 30, 12), seed=83)
+    answers = {}
+    for ahead in (False, True):
+        llm = LLM(model_dir("tiny-llama"), model_runner="mock", mock_step_ms=2,
+                  async_scheduling=ahead)  # fmt: skip
+        answers[ahead] = [(o.outputs[0].text, o.outputs[0].finish_reason)
+                          for o in llm.generate(prompts, params)]  # fmt: skip
+    assert answers[True] == answers[False]
+    assert all(text in ("yes", "no", "maybe not") and why == "stop" for text, why in answers[True])
+
+
 def test_a_mock_engine_refuses_what_it_cannot_model(model_dir):
     with pytest.raises(ValueError, match="model_runner"):
         LLM(model_dir("tiny-llama"), model_runner="fake")
