@@ -71,25 +71,24 @@ def same_answer(a: list[int], b: list[int]) -> bool:
 
 def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) -> dict:
     params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=5)
-    outs, ids = {}, []
+    outs = {}
     for dtype in DTYPES:
         llm = LLM(folder, dtype=dtype, device=device, gpu_memory_utilization=0.3)
         try:
             outs[dtype] = llm.generate(prompts, params)
-            ids = [llm.engine.tokenize(p) for p in prompts]
         finally:
             llm.close()
+    ids = [o.prompt_token_ids for o in outs["float32"]]  # the ids the engine ran
     ref = {dtype: transformers_greedy(folder, ids, dtype, device, tokens) for dtype in DTYPES}
     # float32 is the reference: a divergence's gap is read from its logprobs
     rows = [compare_greedy(a, b) for a, b in zip(outs["float32"], outs["bfloat16"])]
     for i, row in enumerate(rows):
         engine_bf16 = outs["bfloat16"][i].outputs[0].token_ids
         row["transformers_parts_at"] = parts_at(ref["float32"][i], ref["bfloat16"][i])
-        row["transformers_bf16_equals_float32"] = row["transformers_parts_at"] is None
+        reference_equal = row["transformers_parts_at"] is None
+        row["transformers_bf16_equals_float32"] = reference_equal
         row["equals_transformers_bf16"] = same_answer(engine_bf16, ref["bfloat16"][i])
-        row["explained_by_reference"] = not row["equal"] and (
-            not row["transformers_bf16_equals_float32"]
-        )
+        row["explained_by_reference"] = not (row["equal"] or reference_equal)
         if not row["equal"]:
             why = "a near-tie" if row["near_tie"] else "not a near-tie"
             if row["explained_by_reference"]:
