@@ -14,9 +14,12 @@ help on CPU: they would take cores from it.)
 
 With async scheduling a constrained sequence's next step is queued before its
 token is read back (`ahead`: the step and row that sampled it): the next step's
-mask job first reads that token (waiting for that step only, while the device
-runs the next forward pass) and advances the matcher by it (`catch_up`); the
-output processor's `accept` of the same token then takes that verdict.
+mask job first reads those tokens (waiting for that step only, while the device
+runs the next forward pass) and advances every matcher by its token in one
+parallel call (`catch_up`), keeping each verdict; the output processor's
+`accept` of the same token then takes it. The rows are then filled on the
+mask thread (`MaskJob.start`) while the engine applies the step before and
+schedules the next; the sampler applies them when the next step is launched.
 Preemption keeps a sequence's generated tokens, so its matcher stays in step;
 siblings of an n > 1 request each start from the compiled matcher.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,40 +49,45 @@ class SequenceGrammar:
         self.words = words  # int32 words of its bitmask row
         # a step queued ahead sampled its next token: (that step's sample, its row)
         self.ahead: tuple[object, int] | None = None
-        self._early: deque[tuple[int, bool]] = deque()  # consumed by catch_up, not yet accepted
+        # caught up, not yet accepted: (token, allowed, stopped after it, the error if not allowed)
+        self._early: deque[tuple[int, bool, bool, str]] = deque()
+        self._after: tuple[bool, str] | None = None  # (stopped, error) after the last early token
 
     def fill(self, row: np.ndarray) -> None:
         """Writes the allowed next tokens into `row` (int32, one bit per token)."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
-    def catch_up(self) -> None:
-        """Advances past the token a step queued ahead sampled (read back for it), before
-        the mask after it is filled."""
-        if self.ahead is not None:
-            sample, row = self.ahead
-            self.ahead = None
-            token = sample.token_ids()[row]
-            self._early.append((token, self.matcher.consume_token(token)))
+    def caught_up(self, token: int, allowed: bool) -> None:
+        """`token` was consumed ahead of its `accept` (catch_up): keeps its verdict and
+        what `terminated` and `error` say after it, so that `accept` touches no
+        matcher while the mask thread fills this one."""
+        self.ahead = None
+        matcher = self.matcher
+        self._early.append(
+            (token, allowed, matcher.is_stopped(), "" if allowed else matcher.get_error())
+        )
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar does not allow it. The
         token `catch_up` consumed already is not consumed twice."""
         if self._early:
-            token, allowed = self._early.popleft()
+            token, allowed, stopped, error = self._early.popleft()
             if token != token_id:
                 raise RuntimeError(f"grammar caught up on token {token}, then given {token_id}")
+            self._after = (stopped, error)
             return allowed
         self.ahead = None
+        self._after = None
         return self.matcher.consume_token(token_id)
 
     @property
     def terminated(self) -> bool:
         """The output is complete: no token but end-of-sequence could follow."""
-        return self.matcher.is_stopped()
+        return self._after[0] if self._after is not None else self.matcher.is_stopped()
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        return self._after[1] if self._after is not None else self.matcher.get_error()
 
 
 class GrammarCompiler:
@@ -137,16 +146,22 @@ class GrammarCompiler:
 
 _EXECUTOR: list = []  # llguidance's LLExecutor (its thread pool), made on first use
 _EXECUTOR_LOCK = threading.Lock()
+# fills a step's rows while the engine goes on (llguidance releases the GIL meanwhile)
+_MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+
+def _executor():
+    from llguidance import LLExecutor
+
+    if not _EXECUTOR:
+        _EXECUTOR.append(LLExecutor())
+    return _EXECUTOR[0]
 
 
 def _fill_all(grammars: list[SequenceGrammar], bitmask: np.ndarray) -> None:
     """Every row of `bitmask` from its grammar, in one call to llguidance's executor."""
-    from llguidance import LLExecutor
-
     with _EXECUTOR_LOCK:  # engines of one process share its thread pool
-        if not _EXECUTOR:
-            _EXECUTOR.append(LLExecutor())
-        _EXECUTOR[0].unsafe_compute_mask_ptr(
+        _executor().unsafe_compute_mask_ptr(
             [(g.matcher, i) for i, g in enumerate(grammars)],
             bitmask.ctypes.data,
             bitmask.shape[1] * bitmask.itemsize,
@@ -154,33 +169,75 @@ def _fill_all(grammars: list[SequenceGrammar], bitmask: np.ndarray) -> None:
         )
 
 
+def catch_up(grammars: list[SequenceGrammar]) -> bool:
+    """Advances each grammar whose last token a step queued ahead sampled past that
+    token (read back for it: waits for that step), all in one parallel call; True if
+    any was."""
+    due = [g for g in grammars if g.ahead is not None]
+    if not due:
+        return False
+    try:
+        tokens = [sample.token_ids()[row] for sample, row in (g.ahead for g in due)]
+    except Exception:  # noqa: BLE001 - that step failed: its sequences end with its error
+        for grammar in due:
+            grammar.ahead = None
+        return False
+    if len(due) == 1:
+        verdicts = [due[0].matcher.consume_token(tokens[0])]
+    else:
+        with _EXECUTOR_LOCK:
+            verdicts = _executor().consume_token_par([(g.matcher, t) for g, t in zip(due, tokens)])
+    for grammar, token, allowed in zip(due, tokens, verdicts):
+        grammar.caught_up(token, allowed)
+    return True
+
+
 class MaskJob:
-    """The bitmask rows of one step's constrained sequences, filled on first use."""
+    """The bitmask rows of one step's constrained sequences, filled on first use, or
+    on the mask thread once `start` caught them up."""
 
     def __init__(self, rows: list[int], grammars: list[SequenceGrammar]):
         self.rows = rows  # which of the step's sampled sequences are constrained
         self._grammars = grammars
         self._bitmask: np.ndarray | None = None
+        self._filling: Future | None = None
         self.fill_seconds = 0.0  # the host time filling the rows took (not the catch-up)
 
     @property
     def filled(self) -> bool:
         return self._bitmask is not None
 
+    def start(self) -> bool:
+        """Catches the grammars up past the tokens of the step queued before this one
+        and, if there were any (that step ran ahead), starts filling the rows on the
+        mask thread: True then, and `result()` waits for them."""
+        if self._bitmask is not None or self._filling is not None:
+            return self._filling is not None
+        if not catch_up(self._grammars):
+            return False
+        self._filling = _MASK_THREAD.submit(self._fill)
+        return True
+
     def result(self) -> np.ndarray:
         if self._bitmask is None:
-            grammars = self._grammars
-            for grammar in grammars:  # the tokens of the step queued before this one
-                grammar.catch_up()
-            start = time.perf_counter()
-            bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
-            if len(grammars) == 1:
-                grammars[0].fill(bitmask[0])
+            if self._filling is not None:
+                self._bitmask = self._filling.result()
+                self._filling = None
             else:
-                _fill_all(grammars, bitmask)
-            self.fill_seconds = time.perf_counter() - start
-            self._bitmask = bitmask
+                catch_up(self._grammars)
+                self._bitmask = self._fill()
         return self._bitmask
+
+    def _fill(self) -> np.ndarray:
+        start = time.perf_counter()
+        grammars = self._grammars
+        bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
+        if len(grammars) == 1:
+            grammars[0].fill(bitmask[0])
+        else:
+            _fill_all(grammars, bitmask)
+        self.fill_seconds = time.perf_counter() - start
+        return bitmask
 
 
 def masks_for(seqs) -> MaskJob | None:

@@ -124,6 +124,10 @@ class _Modelled:
         self._sample, self._done_at = sample, done_at
         self.seqs, self.tokens = sample.seqs, sample.tokens
 
+    def finish(self) -> _Modelled:
+        self._sample.finish()
+        return self
+
     def wait(self) -> None:
         left = self._done_at - time.perf_counter()
         if left > 0:

@@ -62,6 +62,10 @@ class PendingSample:
             self._token_ids = self._host[0].tolist()
         return self._token_ids
 
+    def finish(self) -> PendingSample:
+        """Itself: every part of its sampling is queued already."""
+        return self
+
     def result(self) -> SampleResult:
         seqs, wanted = self.seqs, self._wanted
         token_ids = self.token_ids()
@@ -81,6 +85,51 @@ class PendingSample:
         return SampleResult(token_ids, logprobs, token_logprobs)
 
 
+class DeferredSample:
+    """A step's sampling whose grammar masks the mask thread is still filling: its
+    `tokens` exist on the device already, written once `finish()` has queued the
+    masks and the draw (before the next step is launched, since that reads
+    `tokens`; reading the sample back finishes it too)."""
+
+    def __init__(self, sampler, logits, seqs, masks, wanted, raw_logprobs):
+        self.seqs = seqs
+        self.tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        self._parts = (sampler, logits, seqs, masks, wanted, raw_logprobs)
+        self._done: PendingSample | None = None
+        self._error: Exception | None = None
+
+    def finish(self) -> DeferredSample:
+        """Applies the masks once filled and queues the draw (once). What fails here
+        is raised where the sample is read back (`wait`, `token_ids`, `result`)."""
+        if self._parts is not None:
+            sampler, *parts = self._parts
+            self._parts = None
+            try:
+                with torch.inference_mode():  # as the step was launched
+                    self._done = sampler._finish(*parts)
+                    self.tokens.copy_(self._done.tokens, non_blocking=True)
+            except Exception as exc:  # noqa: BLE001 - the step fails when it is read
+                self._error = exc
+                with torch.inference_mode():  # a token the next step may read, never garbage
+                    self.tokens.zero_()
+        return self
+
+    def _finished(self) -> PendingSample:
+        self.finish()
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def wait(self) -> None:
+        self._finished().wait()
+
+    def token_ids(self) -> list[int]:
+        return self._finished().token_ids()
+
+    def result(self) -> SampleResult:
+        return self._finished().result()
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -95,11 +144,14 @@ class Sampler:
 
     def launch(
         self, logits: torch.Tensor, seqs: list[Sequence], masks: MaskJob | None = None
-    ) -> PendingSample:
+    ) -> PendingSample | DeferredSample:
         """Queues the sampling of every row on the device; nothing waits for it.
         A sequence's tokens still pending count as output (for min_tokens), as do, in
         a run of rows of one sequence (its drafts' rows), the rows before each.
-        `masks`: the grammar bitmasks of the constrained rows (grammar.masks_for)."""
+        `masks`: the grammar bitmasks of the constrained rows (grammar.masks_for).
+        Where the step before this one ran ahead of its constrained rows, their masks
+        are filled on the mask thread meanwhile (`MaskJob.start`) and the rest is
+        queued by the returned sample's `finish()`."""
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
         made = _made(seqs)
@@ -119,6 +171,11 @@ class Sampler:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
                 if banned:
                     logits[row].index_fill_(0, _on(logits, sorted(banned)), _NEG_INF)
+        if masks is not None and masks.start():
+            return DeferredSample(self, logits, seqs, masks, wanted, raw_logprobs)
+        return self._finish(logits, seqs, masks, wanted, raw_logprobs)
+
+    def _finish(self, logits, seqs, masks, wanted, raw_logprobs) -> PendingSample:
         if masks is not None:  # last: no bias or penalty may revive a forbidden token
             apply_masks(logits, masks.result(), _on(logits, masks.rows))
         chosen = self._choose(logits, seqs)

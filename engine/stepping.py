@@ -11,7 +11,9 @@ work of one step then overlaps the device work of the next, and each running
 sequence's next input token is read on the device from the step that
 sampled it (its `pending_token`). A sequence that follows a grammar runs ahead
 too: its next step's mask waits for this step's token (engine/grammar.py), read
-back while the device runs the next forward pass. A step is not run ahead of
+back while the device runs the next forward pass, and is filled on the mask
+thread while this step is applied and the next batch scheduled; that step's draw
+is queued (`sample.finish()`) just before the next step is. A step is not run ahead of
 when a sequence in it samples with penalties (they need every earlier token on
 the host), forks (n > 1) or hands its KV off.
 """
@@ -124,6 +126,10 @@ class Stepper:
         if self.pipeline_depth > 1:
             for seq in batch.seqs:
                 seq.in_flight = True
+        if self.inflight is not None and self.inflight.sample is not None:
+            # its grammar masks were filled while this batch was scheduled: its draw is
+            # queued now, before this step, which reads its tokens
+            self.inflight.sample.finish()
         self.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
         tables = [self.kv.block_ids(s) for s in batch.seqs]
         handoffs = self.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)

@@ -12,7 +12,8 @@ Sections:
   of each and their ratio; every constrained answer parsed and validated against its
   schema (`jsonschema`) and ended by its grammar; the host time of the masks a step
   (llguidance filling a step's rows, while the device runs the step) and its share of
-  the timed run's wall time.
+  the timed run's wall time; in both runs, the ms a step the engine's thread spends
+  launching, catching grammars up, waiting for masks and completing (`MaskClock`).
 - `tools` (a mesh of one worker, the chat API over HTTP): 64 requests at once with two
   tools and `tool_choice: required`, half of them allowing parallel calls: every
   call names one of the tools and its arguments parse and validate against its
@@ -44,6 +45,7 @@ from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from engine import LLM, SamplingParams, StructuredOutput
 from engine import grammar as grammar_module
+from engine.stepping import Stepper
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 
@@ -101,28 +103,53 @@ def schema_for(i: int) -> dict:
 
 
 class MaskClock:
-    """The host time of each step's masks (llguidance filling the step's rows)."""
+    """The host time of each step's masks (llguidance filling the step's rows, on the
+    engine's thread or the mask thread) and where the engine's thread spends a step:
+    `parts` are ms per step in the stepper's launch (scheduling, queueing the step
+    before's draw, the forward pass and this step's masks), in the grammars' catch-up
+    (waiting for the step before's tokens, advancing past them), waiting for masks
+    still being filled, and in completing the step before (its tokens applied)."""
+
+    PARTS = {"launch": (Stepper, "launch"), "catch_up": (grammar_module, "catch_up"),
+             "masks_wait": (grammar_module.MaskJob, "result"),
+             "complete": (Stepper, "complete"), "run": (Stepper, "run")}  # fmt: skip
 
     def __init__(self):
         self.seconds, self.steps = 0.0, 0
-        self._plain = grammar_module.MaskJob.result
+        self.totals = dict.fromkeys(self.PARTS, 0.0)
+        self._plain = {name: getattr(owner, attr) for name, (owner, attr) in self.PARTS.items()}
+        self.runs = 0
 
     def __enter__(self) -> MaskClock:
-        plain, clock = self._plain, self
-
-        def timed(job):
-            fresh = not job.filled
-            bitmask = plain(job)
-            if fresh:
-                clock.seconds += job.fill_seconds
-                clock.steps += 1
-            return bitmask
-
-        grammar_module.MaskJob.result = timed
+        for name, (owner, attr) in self.PARTS.items():
+            setattr(owner, attr, self._timed(name, self._plain[name]))
         return self
 
+    def _timed(self, name: str, plain):
+        clock = self
+
+        def timed(*args, **kwargs):
+            job = args[0] if name == "masks_wait" else None
+            fresh = job is not None and not job.filled
+            start = time.perf_counter()
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                clock.totals[name] += time.perf_counter() - start
+                clock.runs += name == "run"
+                if fresh:
+                    clock.seconds += job.fill_seconds
+                    clock.steps += 1
+
+        return timed
+
+    def parts(self) -> dict:
+        """ms per engine step (Stepper.run) of each part."""
+        return {name: seconds / max(1, self.runs) * 1e3 for name, seconds in self.totals.items()}
+
     def __exit__(self, *exc) -> None:
-        grammar_module.MaskJob.result = self._plain
+        for name, (owner, attr) in self.PARTS.items():
+            setattr(owner, attr, self._plain[name])
 
 
 def timed_generate(llm: LLM, prompts, params) -> tuple[float, list]:
@@ -152,7 +179,8 @@ def constrained(section: Sections, setup: Setup) -> dict:
         lengths = [len(o.outputs[0].token_ids) for o in outs]
         plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
         timed_generate(llm, prompts, plain)  # the same shapes once before timing
-        plain_seconds, plain_outs = timed_generate(llm, prompts, plain)
+        with MaskClock() as plain_clock:
+            plain_seconds, plain_outs = timed_generate(llm, prompts, plain)
     finally:
         llm.close()
     invalid = []
@@ -176,6 +204,9 @@ def constrained(section: Sections, setup: Setup) -> dict:
         "mask_steps": clock.steps,
         "mask_ms_per_step": clock.seconds / max(1, clock.steps) * 1e3,
         "mask_share_of_wall": clock.seconds / seconds,
+        "engine_steps": clock.runs, "host_ms_per_step": clock.parts(),
+        "unconstrained_engine_steps": plain_clock.runs,
+        "unconstrained_host_ms_per_step": plain_clock.parts(),
         "example": outs[0].outputs[0].text[:300],
     }  # fmt: skip
     print(f"constrained {result['constrained_tokens_per_s']:.0f} tok/s, unconstrained "
@@ -183,6 +214,9 @@ def constrained(section: Sections, setup: Setup) -> dict:
           f"{result['valid']} of {setup.batch}; masks {result['mask_ms_per_step']:.3f} ms a "
           f"step over {clock.steps} steps ({result['mask_share_of_wall']:.3f} of the wall)",
           flush=True)  # fmt: skip
+    for label, parts in (("constrained", clock.parts()), ("unconstrained", plain_clock.parts())):
+        print(f"  {label}, ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+              flush=True)  # fmt: skip
     return result
 
 

@@ -137,6 +137,54 @@ def test_constrained_steps_are_queued_ahead_too(folder, monkeypatch):
     assert fast.get_stats()["kv_blocks_used"] == 0
 
 
+def test_constrained_masks_are_filled_beside_the_engine(folder, monkeypatch):
+    """Once a constrained step runs ahead, the next step's masks are filled on the mask
+    thread while the engine applies the step before; the draw is queued before the
+    step after it is."""
+    import threading
+
+    from engine import grammar
+
+    sync, fast = _engines(folder)
+    threads, real_fill = [], grammar.MaskJob._fill
+
+    def fill(job):
+        threads.append(threading.current_thread().name)
+        return real_fill(job)
+
+    monkeypatch.setattr(grammar.MaskJob, "_fill", fill)
+    prompts = random_prompts(512, (10, 25, 40), seed=46)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output=CHOICE)
+    expected = [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
+    threads.clear()
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == expected
+    beside = sum(name.startswith("grammar-masks") for name in threads)
+    assert beside >= len(threads) - 2 and beside > 5  # all but the first step's
+
+
+def test_a_failed_mask_fails_its_requests_and_the_engine_serves_on(folder, monkeypatch):
+    from engine import grammar
+
+    _, fast = _engines(folder)
+    real_fill, calls = grammar.MaskJob._fill, []
+
+    def fill(job):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("mask fill broke")
+        return real_fill(job)
+
+    monkeypatch.setattr(grammar.MaskJob, "_fill", fill)
+    prompts = random_prompts(512, (10, 25), seed=47)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output=CHOICE)
+    failed = fast.generate(prompts, params)
+    assert [o.outputs[0].finish_reason for o in failed] == ["error", "error"]
+    assert all("mask fill broke" in (o.error or "") for o in failed)
+    again = fast.generate(prompts, params)
+    assert all(o.outputs[0].finish_reason == "stop" for o in again)
+    assert fast.get_stats()["kv_blocks_used"] == 0
+
+
 def test_abort_while_a_step_is_queued(folder):
     sync, fast = _engines(folder)
     prompts = random_prompts(512, (20, 35), seed=43)
