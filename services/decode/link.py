@@ -88,22 +88,23 @@ class Link:
         requests) gets what is running to its end first; a broken call or `close()`
         cancels what is running."""
         reader = asyncio.ensure_future(self._read(ups))
-        take: asyncio.Future | None = None
+        take: asyncio.Future | None = None  # one at a time: a second would share the outbox
         try:
             while True:
-                take = asyncio.ensure_future(self.outbox.take())
+                if take is None:
+                    take = asyncio.ensure_future(self.outbox.take())
                 waits = (take, self.closing) if reader.done() else (take, reader, self.closing)
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if take.done():
-                    down = take.result()
+                    down, take = take.result(), None
                     if down.chunks or down.ends:
                         yield down
                 elif self.closing.done():
                     return
-                else:
+                if reader.done():
                     reader.result()  # a broken call raises here
-                if reader.done() and not self.running and self.outbox.empty():
-                    return  # closed for new requests, and every request has ended
+                    if not self.running and self.outbox.empty():
+                        return  # closed for new requests, and every request has ended
         finally:
             if take is not None:
                 take.cancel()

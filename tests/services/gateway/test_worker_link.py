@@ -286,3 +286,31 @@ def test_readers_cancelled_at_once_leave_the_link_to_the_others():
     worker, other = asyncio.run(main())
     assert other == list(range(100, 140))
     assert worker.links == 1
+
+
+def test_a_gateway_that_closes_its_side_at_once_gets_every_chunk_and_the_end():
+    """One request, then no more (the gateway half-closes before any chunk is made):
+    the link still sends all its chunks and its end before the call ends."""
+
+    class Late(Worker):  # its first chunk comes a step after the request
+        async def chunks(self, request, carrier):
+            await self.step()
+            async for chunk in super().chunks(request, carrier):
+                yield chunk
+
+    async def main():
+        worker = Late()
+        async with serving(worker) as (_, address, _server):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.DecodeStub(channel)
+                ups = [worker_pb2.LinkUp(request=request(f"r{i}", 4)) for i in range(3)]
+                return [down async for down in stub.Link(iter(ups), timeout=30)]
+
+    downs = asyncio.run(main())
+    tokens: dict[str, list[int]] = {}
+    for down in downs:
+        for chunk in down.chunks:
+            tokens.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+    assert tokens == {f"r{i}": [100, 101, 102, 103] for i in range(3)}
+    assert sorted(e.request_id for d in downs for e in d.ends) == ["r0", "r1", "r2"]
+    assert all(e.code == 0 for d in downs for e in d.ends)
