@@ -15,7 +15,9 @@ rm -rf .gate_old && mkdir .gate_old
 git archive "$old" engine services bench yinian proto basis kernels pyproject.toml | tar -x -C .gate_old
 rm -rf .gate_old/bench/results .gate_old/yinian/models
 du -sh .gate_old
-sweep="bench.gpu.kv_serving --meshes default --rates 8,16 --prompts-per-rate 320"
+# RUN: another run to compare the two codes by (its --out is added), e.g.
+#   RUN="bench.gpu.structured --skip tools default_dtypes" bash bench/gpu/gate_tree.sh 41aad6c
+sweep=${RUN:-"bench.gpu.kv_serving --meshes default --rates 8,16 --prompts-per-rate 320"}
 new() { echo "bash bench/gpu/device_call.sh 250 \"$sweep --out \\\$OUT/gate_new$1.json\""; }
 old() { echo "(cd .gate_old && bash bench/gpu/device_call.sh 250 \"$sweep --out \\\$OUT/gate_old$1.json\")"; }
 links="ln -sfn \$PWD/yinian/models .gate_old/yinian/models; ln -sfn ../.whl .gate_old/.whl;"
