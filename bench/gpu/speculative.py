@@ -83,16 +83,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def top2_gap(llm: LLM, prompt, position: int) -> dict:
+def top2_gap(llm: LLM, prompt, position: int, off: list[int], on: list[int]) -> dict:
     """Without drafts, at `position` of the greedy answer: the two likeliest tokens'
     logprobs and their gap. A gap within the dtype's rounding is a near-tie that the
-    verify pass (several positions in one pass, another summation order) can flip."""
+    verify pass (several positions in one pass, another summation order) can flip.
+    `same_as_off`: this answer equals the timed run's without drafts (`off`) up to and at
+    `position` (else the gap is of another context); the logprob here of the token the
+    run with drafts (`on`) chose there."""
     params = SamplingParams(max_tokens=position + 1, temperature=0, ignore_eos=True, logprobs=2)
     out = llm.generate([prompt], params)[0].outputs[0]
     ranked = sorted(out.logprobs[position].values(), key=lambda v: -v.logprob)[:2]
+    chosen = out.logprobs[position].get(on[position]) if position < len(on) else None
     return {"position": position, "token": out.token_ids[position],
             "top2_logprobs": [v.logprob for v in ranked],
-            "gap": ranked[0].logprob - ranked[1].logprob}  # fmt: skip
+            "gap": ranked[0].logprob - ranked[1].logprob,
+            "same_as_off": out.token_ids == off[: position + 1],
+            "drafts_token": on[position] if position < len(on) else None,
+            "drafts_token_logprob": None if chosen is None else chosen.logprob}  # fmt: skip
 
 
 def divergences(
@@ -110,7 +117,8 @@ def divergences(
     try:
         out: dict = {}
         for (case, mode, i), at in found.items():
-            gap = top2_gap(llm, cases[case][0][i], at)
+            off, on = rows["off"][case]["outputs"][i], rows[mode][case]["outputs"][i]
+            gap = top2_gap(llm, cases[case][0][i], at, off, on)
             out.setdefault(case, {}).setdefault(mode, []).append({"prompt": i, **gap})
         return out
     finally:
@@ -149,9 +157,12 @@ def compare(section: Sections, name: str, folder, load_format: str, cases: dict,
                 "differences": differ.get(case, {}).get(mode, []),
             }  # fmt: skip
             for d in out[case][mode]["differences"]:
+                lp = d["drafts_token_logprob"]
+                chosen = "out of the top 2" if lp is None else f"logprob {lp:.4f}"
+                other = "" if d["same_as_off"] else "; not the timed answer without drafts"
                 print(f"  prompt {d['prompt']}: differs from token {d['position']}, where "
                       f"the two likeliest tokens without drafts are {d['gap']:.4f} apart "
-                      f"in logprob")  # fmt: skip
+                      f"in logprob (the token chosen with drafts: {chosen}{other})")  # fmt: skip
             print(f"{name:10} {case:10} {mode:5} off {off['tokens_per_s']:8.1f} tok/s, on "
                   f"{on['tokens_per_s']:8.1f} ({out[case][mode]['speedup']:.2f}x), kept "
                   f"{on['accepted_tokens']} of {on['draft_tokens']} drafts, equal "
