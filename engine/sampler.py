@@ -104,14 +104,13 @@ class DeferredSample:
         if self._parts is not None:
             sampler, *parts = self._parts
             self._parts = None
-            try:
-                with torch.inference_mode():  # as the step was launched
+            with torch.inference_mode():  # as the step was launched
+                try:
                     self._done = sampler._finish(*parts)
                     self.tokens.copy_(self._done.tokens, non_blocking=True)
-            except Exception as exc:  # noqa: BLE001 - the step fails when it is read
-                self._error = exc
-                with torch.inference_mode():  # a token the next step may read, never garbage
-                    self.tokens.zero_()
+                except Exception as exc:  # noqa: BLE001 - the step fails when it is read
+                    self._error = exc
+                    self.tokens.zero_()  # a token the next step may read, never garbage
         return self
 
     def _finished(self) -> PendingSample:

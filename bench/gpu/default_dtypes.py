@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from bench.gpu.engine_checks import compare_greedy
 from bench.gpu.sections import Sections, script_parser
+from bench.gpu.speculative import first_difference
 from engine import LLM, SamplingParams
 from yinian.default_model import ensure_default_model
 
@@ -59,10 +60,10 @@ def transformers_greedy(folder: str, prompts: list[list[int]], dtype: str, devic
 def parts_at(a: list[int], b: list[int]) -> int | None:
     """The first token where two answers differ; None when they are the same (equal as
     far as both go, one side at most one end token longer)."""
-    for j, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return j
-    return None if abs(len(a) - len(b)) <= 1 else min(len(a), len(b))
+    at = first_difference(a, b)
+    if at == min(len(a), len(b)) and abs(len(a) - len(b)) <= 1:
+        return None  # one ends a token later: its end token
+    return at
 
 
 def same_answer(a: list[int], b: list[int]) -> bool:
