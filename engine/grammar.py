@@ -215,7 +215,18 @@ class MaskJob:
             return self._filling is not None
         if not catch_up(self._grammars):
             return False
-        self._filling = _MASK_THREAD.submit(self._fill)
+        # Waits until the mask thread runs: a thread that asks for the GIL while this one
+        # runs Python gets it only after the interpreter's switch interval (5 ms), so the
+        # fill would start when the engine next blocks, by then waiting for the masks.
+        # The mask thread gives the GIL back once llguidance fills the rows.
+        started = threading.Event()
+
+        def fill() -> np.ndarray:
+            started.set()
+            return self._fill()
+
+        self._filling = _MASK_THREAD.submit(fill)
+        started.wait()
         return True
 
     def result(self) -> np.ndarray:
