@@ -26,7 +26,10 @@ Sections:
   (bench/gpu/default_dtypes.py).
 
 Usage: python -m bench.gpu.structured --out bench/results/structured.json [--skip ...]
-           [--device cpu]
+           [--device cpu] [--profile]
+`--profile`: the constrained section also runs both again under torch.profiler
+(bench/gpu/step_profile.py): the device's kernel time a step against the wall's, and
+the host's costliest operators and CUDA calls a step in each.
 The dry run (`--device cpu`): tiny-llama in float32, 4 prompts, short answers; the
 dtypes section in bf16 and float32 on the CPU, 2 prompts.
 """
@@ -43,6 +46,7 @@ from bench.gpu import default_dtypes as dtypes
 from bench.gpu.engine_rates import random_prompts, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
+from bench.gpu.step_profile import print_compared, profiled
 from engine import LLM, SamplingParams, StructuredOutput
 from engine import grammar as grammar_module
 from engine.stepping import Stepper
@@ -160,7 +164,7 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - start, outs
 
 
-def constrained(section: Sections, setup: Setup) -> dict:
+def constrained(section: Sections, setup: Setup, profile: bool = False) -> dict:
     import jsonschema  # a test dependency here; on a GPU machine, carried as a wheel
 
     folder, load_format = preset_folder(section.tmp, setup.preset)
@@ -181,6 +185,14 @@ def constrained(section: Sections, setup: Setup) -> dict:
         timed_generate(llm, prompts, plain)  # the same shapes once before timing
         with MaskClock() as plain_clock:
             plain_seconds, plain_outs = timed_generate(llm, prompts, plain)
+        if profile:  # both runs again, under the profiler
+            cuda = section.device == "cuda"
+            profiles = {
+                "constrained": profiled(lambda: timed_generate(llm, prompts, params),
+                                        clock.runs, cuda),
+                "unconstrained": profiled(lambda: timed_generate(llm, prompts, plain),
+                                          plain_clock.runs, cuda),
+            }  # fmt: skip
     finally:
         llm.close()
     invalid = []
@@ -209,6 +221,8 @@ def constrained(section: Sections, setup: Setup) -> dict:
         "unconstrained_host_ms_per_step": plain_clock.parts(),
         "example": outs[0].outputs[0].text[:300],
     }  # fmt: skip
+    if profile:
+        result["profile"] = profiles
     print(f"constrained {result['constrained_tokens_per_s']:.0f} tok/s, unconstrained "
           f"{result['unconstrained_tokens_per_s']:.0f} ({result['ratio']:.3f}); valid "
           f"{result['valid']} of {setup.batch}; masks {result['mask_ms_per_step']:.3f} ms a "
@@ -217,6 +231,9 @@ def constrained(section: Sections, setup: Setup) -> dict:
     for label, parts in (("constrained", clock.parts()), ("unconstrained", plain_clock.parts())):
         print(f"  {label}, ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
               flush=True)  # fmt: skip
+    if profile:
+        print_compared("constrained", profiles["constrained"], profiles["unconstrained"],
+                       "unconstrained")  # fmt: skip
     return result
 
 
@@ -290,11 +307,14 @@ def default_dtypes(section: Sections, setup: Setup) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = script_parser(__doc__).parse_args(argv)
+    parser = script_parser(__doc__)
+    parser.add_argument("--profile", action="store_true",
+                        help="constrained: both runs again under torch.profiler")  # fmt: skip
+    args = parser.parse_args(argv)
     setup = GPU if args.device == "cuda" else DRY
     with Sections(args, script="structured", setup=dataclasses.asdict(setup)) as section:
         section("ceilings", lambda: ceilings.measure(section.device))
-        section("constrained", lambda: constrained(section, setup))
+        section("constrained", lambda: constrained(section, setup, args.profile))
         section("tools", lambda: tools(section, setup))
         section("default_dtypes", lambda: default_dtypes(section, setup))
         return section.results

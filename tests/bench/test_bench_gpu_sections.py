@@ -89,3 +89,20 @@ def test_calls_that_split_a_script_merge_into_the_file_one_call_would_write(tmp_
     (tmp_path / "c.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="script 'other'"):
         merge_main([str(first), str(tmp_path / "c.json"), "--out", str(tmp_path / "x.json")])
+
+
+def test_step_profile_names_the_host_operators_that_took_the_time(capsys):
+    import torch
+
+    from bench.gpu.step_profile import print_compared, profiled
+
+    a = torch.randn(256, 256)
+
+    def run(n: int):
+        return lambda: [a @ a for _ in range(n)]
+
+    many, few = profiled(run(40), steps=4, cuda=False), profiled(run(4), steps=4, cuda=False)
+    assert "kernel_ms_per_step" not in many  # no device here
+    assert many["host_ms_per_step"]["aten::mm"] > 3 * few["host_ms_per_step"]["aten::mm"]
+    print_compared("many", many, few, "few")
+    assert "aten::mm" in capsys.readouterr().out
