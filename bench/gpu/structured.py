@@ -49,6 +49,7 @@ from bench.gpu.sections import Sections, script_parser
 from bench.gpu.step_profile import print_compared, profiled
 from engine import LLM, SamplingParams, StructuredOutput
 from engine import grammar as grammar_module
+from engine.sampler import PendingSample
 from engine.stepping import Stepper
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
@@ -111,10 +112,12 @@ class MaskClock:
     engine's thread or the mask thread) and where the engine's thread spends a step:
     `parts` are ms per step in the stepper's launch (scheduling, queueing the step
     before's draw, the forward pass and this step's masks), in the grammars' catch-up
-    (waiting for the step before's tokens, advancing past them), waiting for masks
+    (waiting for the step before's tokens, advancing past them), waiting for the device
+    to have sampled a step (in the catch-up or when completing a step), waiting for masks
     still being filled, and in completing the step before (its tokens applied)."""
 
     PARTS = {"launch": (Stepper, "launch"), "catch_up": (grammar_module, "catch_up"),
+             "device_wait": (PendingSample, "wait"),
              "masks_wait": (grammar_module.MaskJob, "result"),
              "complete": (Stepper, "complete"), "run": (Stepper, "run")}  # fmt: skip
 
