@@ -1,8 +1,10 @@
-"""Where a run of engine steps spends its time, under torch.profiler: the device's
-kernel time a step against the wall's (the rest is time the device sat idle), and
-the host operators and CUDA calls that took the most time of their own a step (on
-every thread torch runs on). bench/gpu/structured.py compares its constrained run
-with the unconstrained one by it (`--profile`)."""
+"""Where a run of engine steps spends its time. `MaskClock`: the engine thread's
+parts of a step and the grammar masks' fill, timed around the engine's own methods.
+`profiled`: under torch.profiler, the device's kernel time a step against the wall's
+(the rest is time the device sat idle), and the host operators and CUDA calls that
+took the most time of their own a step (on every thread torch runs on).
+bench/gpu/structured.py compares its constrained run with the unconstrained one by
+both (`profiled` with `--profile`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,61 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu.decode_profile import kernel_times
+from engine import grammar as grammar_module
+from engine.sampler import PendingSample
+from engine.stepping import Stepper
+
+
+class MaskClock:
+    """The host time of each step's masks (llguidance filling the step's rows, on the
+    engine's thread or the mask thread) and where the engine's thread spends a step:
+    `parts` are ms per step in the stepper's launch (scheduling, queueing the step
+    before's draw, the forward pass and this step's masks), in the grammars' catch-up
+    (waiting for the step before's tokens, advancing past them), waiting for the device
+    to have sampled a step (in the catch-up or when completing a step), waiting for masks
+    still being filled, and in completing the step before (its tokens applied)."""
+
+    PARTS = {"launch": (Stepper, "launch"), "catch_up": (grammar_module, "catch_up"),
+             "device_wait": (PendingSample, "wait"),
+             "masks_wait": (grammar_module.MaskJob, "result"),
+             "complete": (Stepper, "complete"), "run": (Stepper, "run")}  # fmt: skip
+
+    def __init__(self):
+        self.seconds, self.steps = 0.0, 0
+        self.totals = dict.fromkeys(self.PARTS, 0.0)
+        self._plain = {name: getattr(owner, attr) for name, (owner, attr) in self.PARTS.items()}
+        self.runs = 0
+
+    def __enter__(self) -> MaskClock:
+        for name, (owner, attr) in self.PARTS.items():
+            setattr(owner, attr, self._timed(name, self._plain[name]))
+        return self
+
+    def _timed(self, name: str, plain):
+        clock = self
+
+        def timed(*args, **kwargs):
+            job = args[0] if name == "masks_wait" else None
+            fresh = job is not None and not job.filled
+            start = time.perf_counter()
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                clock.totals[name] += time.perf_counter() - start
+                clock.runs += name == "run"
+                if fresh:
+                    clock.seconds += job.fill_seconds
+                    clock.steps += 1
+
+        return timed
+
+    def parts(self) -> dict:
+        """ms per engine step (Stepper.run) of each part."""
+        return {name: seconds / max(1, self.runs) * 1e3 for name, seconds in self.totals.items()}
+
+    def __exit__(self, *exc) -> None:
+        for name, (owner, attr) in self.PARTS.items():
+            setattr(owner, attr, self._plain[name])
 
 
 def profiled(run, steps: int, cuda: bool, top: int = 15) -> dict:

@@ -46,11 +46,8 @@ from bench.gpu import default_dtypes as dtypes
 from bench.gpu.engine_rates import random_prompts, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
-from bench.gpu.step_profile import print_compared, profiled
+from bench.gpu.step_profile import MaskClock, print_compared, profiled
 from engine import LLM, SamplingParams, StructuredOutput
-from engine import grammar as grammar_module
-from engine.sampler import PendingSample
-from engine.stepping import Stepper
 from yinian.default_model import ensure_default_model
 from yinian.mesh import Mesh, MeshSpec
 
@@ -105,58 +102,6 @@ def schema_for(i: int) -> dict:
         }
     return {"type": "object", "properties": properties, "required": sorted(properties),
             "additionalProperties": False}  # fmt: skip
-
-
-class MaskClock:
-    """The host time of each step's masks (llguidance filling the step's rows, on the
-    engine's thread or the mask thread) and where the engine's thread spends a step:
-    `parts` are ms per step in the stepper's launch (scheduling, queueing the step
-    before's draw, the forward pass and this step's masks), in the grammars' catch-up
-    (waiting for the step before's tokens, advancing past them), waiting for the device
-    to have sampled a step (in the catch-up or when completing a step), waiting for masks
-    still being filled, and in completing the step before (its tokens applied)."""
-
-    PARTS = {"launch": (Stepper, "launch"), "catch_up": (grammar_module, "catch_up"),
-             "device_wait": (PendingSample, "wait"),
-             "masks_wait": (grammar_module.MaskJob, "result"),
-             "complete": (Stepper, "complete"), "run": (Stepper, "run")}  # fmt: skip
-
-    def __init__(self):
-        self.seconds, self.steps = 0.0, 0
-        self.totals = dict.fromkeys(self.PARTS, 0.0)
-        self._plain = {name: getattr(owner, attr) for name, (owner, attr) in self.PARTS.items()}
-        self.runs = 0
-
-    def __enter__(self) -> MaskClock:
-        for name, (owner, attr) in self.PARTS.items():
-            setattr(owner, attr, self._timed(name, self._plain[name]))
-        return self
-
-    def _timed(self, name: str, plain):
-        clock = self
-
-        def timed(*args, **kwargs):
-            job = args[0] if name == "masks_wait" else None
-            fresh = job is not None and not job.filled
-            start = time.perf_counter()
-            try:
-                return plain(*args, **kwargs)
-            finally:
-                clock.totals[name] += time.perf_counter() - start
-                clock.runs += name == "run"
-                if fresh:
-                    clock.seconds += job.fill_seconds
-                    clock.steps += 1
-
-        return timed
-
-    def parts(self) -> dict:
-        """ms per engine step (Stepper.run) of each part."""
-        return {name: seconds / max(1, self.runs) * 1e3 for name, seconds in self.totals.items()}
-
-    def __exit__(self, *exc) -> None:
-        for name, (owner, attr) in self.PARTS.items():
-            setattr(owner, attr, self._plain[name])
 
 
 def timed_generate(llm: LLM, prompts, params) -> tuple[float, list]:
