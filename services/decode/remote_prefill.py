@@ -126,11 +126,13 @@ class RemotePrefill:
             top = {t: Logprob(lp, r) for t, lp, r in result.top_logprobs}
             top.setdefault(result.first_token_id, Logprob(result.first_logprob, 0))
         # taken before the commit: the engine may decode (even finish) the request before
-        # this coroutine resumes, and the decode stage must not start after its end
-        timing.committed_at = time.monotonic()
+        # this coroutine resumes, and the decode stage must not start after its end; kept
+        # only once the commit succeeded
+        committed_at = time.monotonic()
         await self.engine.commit_remote(
             request_id, result.first_token_id, result.first_logprob, top
         )
+        timing.committed_at = committed_at
         asyncio.get_running_loop().create_task(
             self.client.release(prefill_address, result.lease_id)
         )
