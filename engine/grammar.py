@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from basis.structured_output import StructuredOutput
+from kernels.token_mask import apply_token_bitmask_
 
-_NEG_INF = float("-inf")
 _MAX_COMPILED = 256
 
 
@@ -196,9 +196,13 @@ class MaskJob:
     """The bitmask rows of one step's constrained sequences, filled on first use, or
     on the mask thread once `start` caught them up."""
 
-    def __init__(self, rows: list[int], grammars: list[SequenceGrammar]):
+    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], pinned: bool = False):
         self.rows = rows  # which of the step's sampled sequences are constrained
         self._grammars = grammars
+        # llguidance writes the rows straight into this (in pinned memory for a CUDA
+        # step: it moves to the device without a copy on the host first)
+        self.tensor = torch.empty((len(grammars), grammars[0].words), dtype=torch.int32,
+                                  pin_memory=pinned)  # fmt: skip
         self._bitmask: np.ndarray | None = None
         self._filling: Future | None = None
         self.fill_seconds = 0.0  # the host time filling the rows took (not the catch-up)
@@ -242,7 +246,7 @@ class MaskJob:
     def _fill(self) -> np.ndarray:
         start = time.perf_counter()
         grammars = self._grammars
-        bitmask = np.empty((len(grammars), grammars[0].words), dtype=np.int32)
+        bitmask = self.tensor.numpy()
         if len(grammars) == 1:
             grammars[0].fill(bitmask[0])
         else:
@@ -251,24 +255,21 @@ class MaskJob:
         return bitmask
 
 
-def masks_for(seqs) -> MaskJob | None:
-    """The masks the constrained sequences among `seqs` need (None: none is)."""
+def masks_for(seqs, device: torch.device | None = None) -> MaskJob | None:
+    """The masks the constrained sequences among `seqs` need (None: none is), for a
+    step on `device`."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return None
-    return MaskJob(rows, [seqs[i].grammar for i in rows])
+    pinned = device is not None and device.type == "cuda"
+    return MaskJob(rows, [seqs[i].grammar for i in rows], pinned)
 
 
-def apply_masks(logits: torch.Tensor, bitmask: np.ndarray, rows: torch.Tensor) -> None:
+def apply_masks(logits: torch.Tensor, job: MaskJob, rows: torch.Tensor) -> None:
     """Sets the logits of every token a row's grammar forbids to -inf, on the device
-    (`rows`: which logits row each bitmask row is for)."""
-    bitmask = torch.from_numpy(bitmask)
-    if logits.is_cuda:
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary
-        pad = allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])
-        allowed = torch.cat([allowed, pad], dim=1)
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], _NEG_INF)
+    (`rows`: which logits row each bitmask row is for), once the rows are filled."""
+    job.result()
+    bitmask = job.tensor
+    if logits.is_cuda:  # from pinned memory: queued, the host goes on
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    apply_token_bitmask_(logits, bitmask, rows)

@@ -266,7 +266,7 @@ class ModelRunner:
     def _launch(self, seqs, num_new, block_tables, force_eager, layer_hook):
         as_rows = not force_eager and self.rows_pay(seqs, num_new)
         inputs = self.prepare(seqs, num_new, block_tables, as_rows)
-        masks = masks_for(inputs.sample_seqs)
+        masks = masks_for(inputs.sample_seqs, self.device)
         rows = int(inputs.input_ids.shape[0])
         if (
             self.graphs is not None

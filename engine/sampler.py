@@ -176,7 +176,7 @@ class Sampler:
 
     def _finish(self, logits, seqs, masks, wanted, raw_logprobs) -> PendingSample:
         if masks is not None:  # last: no bias or penalty may revive a forbidden token
-            apply_masks(logits, masks.result(), _on(logits, masks.rows))
+            apply_masks(logits, masks, _on(logits, masks.rows))
         chosen = self._choose(logits, seqs)
         extra = ()
         if wanted:

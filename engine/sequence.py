@@ -71,9 +71,10 @@ class Sequence:
     num_emitted_chars: int = 0
     # Async scheduling: a token sampled on the device but not yet read back. It counts
     # in num_tokens (the next step computes its position); `pending_token` says where
-    # the next step finds its id on the device: (token tensor of that step, row).
+    # the next step finds its id on the device: (that step's sample, row), the sample's
+    # `finish().tokens` (its draw queued, if the grammar masks had held it back).
     num_pending: int = 0
-    pending_token: tuple[torch.Tensor, int] | None = None
+    pending_token: tuple[object, int] | None = None
     # Speculative decoding (engine/speculative.py): the tokens guessed to follow, which
     # its next step computes after its last token, and its tokens as an array.
     draft_token_ids: list[int] = field(default_factory=list)

@@ -35,7 +35,8 @@ def prepare_step(
 ) -> StepInputs:
     """The step's inputs on `device`. Everything is staged in two host buffers
     (pinned on CUDA) and moved in two copies; a sequence's pending token (async
-    scheduling) is read on the device from the step that sampled it; `followers`
+    scheduling) is read on the device from the step that sampled it (its sample's
+    draw queued first, `finish()`); `followers`
     (the other ranks of a parallel engine) are sent the same step.
 
     `as_rows`: every new token is a row of its own, as in a decode step (query
@@ -73,11 +74,11 @@ def prepare_step(
             known_ids += seq.draft_token_ids[: k - len(known_ids)]
         ids[start : start + k] = known_ids
         if k < n:  # its last token is pending: known only on the device
-            tensor, index = seq.pending_token
-            if n - k != 1 or (source is not None and tensor is not source):
+            sample, index = seq.pending_token
+            if n - k != 1 or (source is not None and sample is not source):
                 raise RuntimeError("a step may read one pending token per sequence, "
                                    "all from the step before it")  # fmt: skip
-            source = tensor
+            source = sample
             ids[start + k], pend_rows[p], pend_src[p] = 0, start + k, index
             p += 1
         positions[start : start + n] = np.arange(c, c + n)
@@ -102,7 +103,10 @@ def prepare_step(
     d64, d32 = h64.to(device, non_blocking=True), h32.to(device, non_blocking=True)
     ids_d, _, _, _, pend_rows_d, pend_src_d = wide.views(d64)
     if source is not None:
-        ids_d.index_copy_(0, pend_rows_d, source.index_select(0, pend_src_d))
+        # the step before's draw, held back by grammar masks, is queued only now: the
+        # host staged this step meanwhile
+        tokens = source.finish().tokens
+        ids_d.index_copy_(0, pend_rows_d, tokens.index_select(0, pend_src_d))
     if followers is not None:  # the other ranks run the same step
         followers.send(shape, d64, d32)
     query_lens = [1] * total if as_rows else num_new

@@ -13,7 +13,8 @@ sampled it (its `pending_token`). A sequence that follows a grammar runs ahead
 too: its next step's mask waits for this step's token (engine/grammar.py), read
 back while the device runs the next forward pass, and is filled on the mask
 thread while this step is applied and the next batch scheduled; that step's draw
-is queued (`sample.finish()`) just before the next step is. A step is not run ahead of
+is queued (`sample.finish()`) once the next step's inputs are staged, just before
+the next step reads its tokens (engine/step_inputs.py). A step is not run ahead of
 when a sequence in it samples with penalties (they need every earlier token on
 the host), forks (n > 1) or hands its KV off.
 """
@@ -126,10 +127,6 @@ class Stepper:
         if self.pipeline_depth > 1:
             for seq in batch.seqs:
                 seq.in_flight = True
-        if self.inflight is not None and self.inflight.sample is not None:
-            # its grammar masks were filled while this batch was scheduled: its draw is
-            # queued now, before this step, which reads its tokens
-            self.inflight.sample.finish()
         self.tiers.load_pending()  # host-tier prefix hits: copied in before the step reads them
         tables = [self.kv.block_ids(s) for s in batch.seqs]
         handoffs = self.disagg.finishing_handoffs(batch.seqs, batch.num_new_tokens)
@@ -145,6 +142,12 @@ class Stepper:
             logger.exception("model step failed")
             step.error = f"model step failed: {exc}"
             return step
+        finally:
+            # The step before's draw, if its grammar masks held it back: queued by now
+            # where this step reads its tokens (step_inputs, once this step's inputs
+            # are staged), else here.
+            if self.inflight is not None and self.inflight.sample is not None:
+                self.inflight.sample.finish()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         step.computed = [seq.num_computed_tokens for seq in batch.seqs]
@@ -157,7 +160,7 @@ class Stepper:
         if step.overlap:
             for row, seq in enumerate(step.sample.seqs):
                 seq.num_pending += 1
-                seq.pending_token = (step.sample.tokens, row)
+                seq.pending_token = (step.sample, row)
                 if seq.grammar is not None:
                     seq.grammar.ahead = (step.sample, row)
         return step

@@ -14,7 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu.decode_profile import kernel_times
 from engine import grammar as grammar_module
-from engine.sampler import PendingSample
+from engine import sampler as sampler_module
+from engine.cuda_graphs import DecodeGraphs
+from engine.model_runner import ModelRunner
+from engine.sampler import DeferredSample, PendingSample, Sampler
+from engine.scheduler import Scheduler
 from engine.stepping import Stepper
 
 
@@ -25,12 +29,20 @@ class MaskClock:
     before's draw, the forward pass and this step's masks), in the grammars' catch-up
     (waiting for the step before's tokens, advancing past them), waiting for the device
     to have sampled a step (in the catch-up or when completing a step), waiting for masks
-    still being filled, and in completing the step before (its tokens applied)."""
+    still being filled, and in completing the step before (its tokens applied). Inside
+    the launch: scheduling, building the step's inputs, replaying the decode graphs, the
+    sampler's launch (its masks' start, the catch-up included), queueing the step
+    before's draw (`DeferredSample.finish`: its masks applied, its tokens drawn)."""
 
     PARTS = {"launch": (Stepper, "launch"), "catch_up": (grammar_module, "catch_up"),
              "device_wait": (PendingSample, "wait"),
              "masks_wait": (grammar_module.MaskJob, "result"),
-             "complete": (Stepper, "complete"), "run": (Stepper, "run")}  # fmt: skip
+             "complete": (Stepper, "complete"), "run": (Stepper, "run"),
+             "schedule": (Scheduler, "schedule"), "prepare": (ModelRunner, "prepare"),
+             "graphs": (DecodeGraphs, "run"), "sampler_launch": (Sampler, "launch"),
+             "masks_start": (grammar_module.MaskJob, "start"),
+             "draw_finish": (DeferredSample, "finish"), "draw": (Sampler, "_finish"),
+             "apply_masks": (sampler_module, "apply_masks")}  # fmt: skip
 
     def __init__(self):
         self.seconds, self.steps = 0.0, 0

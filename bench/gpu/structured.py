@@ -26,10 +26,13 @@ Sections:
   (bench/gpu/default_dtypes.py).
 
 Usage: python -m bench.gpu.structured --out bench/results/structured.json [--skip ...]
-           [--device cpu] [--profile]
+           [--device cpu] [--profile] [--switch-interval SECONDS]
 `--profile`: the constrained section also runs both again under torch.profiler
 (bench/gpu/step_profile.py): the device's kernel time a step against the wall's, and
-the host's costliest operators and CUDA calls a step in each.
+the host's costliest operators and CUDA calls a step in each. `--switch-interval`:
+the interpreter's (sys.setswitchinterval: how long a thread asking for the GIL waits
+for the running one to give it up; 0.005 by default), to see what the engine's thread
+loses to the mask thread.
 The dry run (`--device cpu`): tiny-llama in float32, 4 prompts, short answers; the
 dtypes section in bf16 and float32 on the CPU, 2 prompts.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import time
 
 from bench.gpu import ceilings
@@ -258,9 +262,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--profile", action="store_true",
                         help="constrained: both runs again under torch.profiler")  # fmt: skip
+    parser.add_argument("--switch-interval", type=float,
+                        help="the interpreter's switch interval (seconds) for the run")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     setup = GPU if args.device == "cuda" else DRY
-    with Sections(args, script="structured", setup=dataclasses.asdict(setup)) as section:
+    setup_info = {**dataclasses.asdict(setup), "switch_interval": sys.getswitchinterval()}
+    with Sections(args, script="structured", setup=setup_info) as section:
         section("ceilings", lambda: ceilings.measure(section.device))
         section("constrained", lambda: constrained(section, setup, args.profile))
         section("tools", lambda: tools(section, setup))
