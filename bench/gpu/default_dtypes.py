@@ -74,7 +74,9 @@ def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) ->
     params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=5)
     outs = {}
     for dtype in DTYPES:
-        llm = LLM(folder, dtype=dtype, device=device, gpu_memory_utilization=0.3)
+        # no start-up warm-up: it compiles every prefill shape for each dtype, where these
+        # prompts need a few (stop 68's section took 354 s on an H100, most of it compiling)
+        llm = LLM(folder, dtype=dtype, device=device, gpu_memory_utilization=0.3, warmup=False)
         try:
             outs[dtype] = llm.generate(prompts, params)
         finally:
