@@ -26,7 +26,9 @@ if not torch.cuda.is_available():
 
     fix_interpreter()
 
+import alone  # noqa: E402
 import pytest  # noqa: E402
+from alone import pytest_runtest_protocol  # noqa: E402, F401 - `alone` tests run alone
 from guarded_mesh import guarded_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 from hf_oracle import ARCH_CONFIGS  # noqa: E402
 from openai_mesh import default_mesh_fixture  # noqa: E402, F401 - one mesh for the session
@@ -53,3 +55,7 @@ def model_dir(model_root):
         return folder
 
     return get
+
+
+def pytest_configure(config):
+    alone.configure(config)

@@ -130,6 +130,30 @@ def wait_indexed(
         time.sleep(0.05)
 
 
+def gpu_holders(mesh, block_hashes: list[int]) -> list[set[str]]:
+    """Per leading block of a prompt (its chained hashes) the workers the scheduler's KV
+    index says hold it on their GPU, up to the first block nobody holds anywhere."""
+    channel = sync_channel(mesh.scheduler_address, mesh.spec.tls)
+    request = scheduler_pb2.HoldersRequest(block_hashes=block_hashes)
+    answer = scheduler_pb2_grpc.SchedulerStub(channel).Holders(request, timeout=5)
+    return [set(b.gpu) for b in answer.blocks]
+
+
+def wait_held(mesh, block_hashes: list[int], timeout: float = 15.0) -> str | None:
+    """Waits until one worker holds every one of `block_hashes` on its GPU by the
+    scheduler's KV index (the KV events of the request that stored exactly these
+    blocks have reached it); returns that worker (None if the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = gpu_holders(mesh, block_hashes)
+        common = set.intersection(*held) if len(held) == len(block_hashes) and held else set()
+        if common:
+            return min(common)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def wait_store_mapped(mesh, timeout: float = 120.0) -> float:
     """Waits until every worker has mapped (and pinned) the KV store's memory tier,
     whose blocks it then copies straight to its device (pinning many GiB takes seconds

@@ -103,6 +103,7 @@ def test_a_mock_on_a_gpu_profile_queues_steps_ahead_and_answers_as_the_plain_moc
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, sampled)] == want
 
 
+@pytest.mark.alone  # its bounds need the machine's cores
 def test_the_step_time_check_runs_a_mock_mesh_on_the_profile(tmp_path):
     """A bounded slice of bench/step_time_check.py: three short requests through a mesh
     whose worker is the mock on llama3-8b's H200 profile, set beside the committed

@@ -26,8 +26,6 @@ from proto.yinian.v1 import (
     common_pb2,
     kvstore_pb2,
     kvstore_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
 )
 from services.common.bus import KV_RESYNC_SUBJECT, kv_subject
 from services.common.kv_checksum import block_checksum
@@ -36,7 +34,7 @@ from services.kvstore import block_format
 from services.kvstore.fingerprint import Fingerprint
 from services.worker.host import model_fingerprint
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import scheduler_metric, worker_metric
+from yinian.mesh_probe import gpu_holders, scheduler_metric, worker_metric
 
 KEYS = {"A": "sk-tenant-a", "B": "sk-tenant-b"}
 MAX_TOKENS = 8
@@ -376,17 +374,12 @@ def test_a_lost_kv_event_is_repaired_by_resync(mesh, reference):
     finally:
         recorder.close()
 
-    def on_gpu(block_hashes):  # the mesh's one KV index: the scheduler's
-        scheduler = scheduler_pb2_grpc.SchedulerStub(sync_channel(mesh.scheduler_address, None))
-        request = scheduler_pb2.HoldersRequest(block_hashes=block_hashes)
-        return [set(b.gpu) for b in scheduler.Holders(request, timeout=5).blocks]
-
-    repaired = wait_until(
-        lambda: (h := on_gpu(hashes)) and all("worker-0" in x for x in h) and h,
+    repaired = wait_until(  # the mesh's one KV index: the scheduler's
+        lambda: (h := gpu_holders(mesh, hashes)) and all("worker-0" in x for x in h) and h,
         what="the index to hold the worker's real blocks",
     )
     assert len(repaired) == len(hashes)
-    assert on_gpu([12345]) == []  # the injected entry is gone
+    assert gpu_holders(mesh, [12345]) == []  # the injected entry is gone
 
 
 def _fingerprint(mesh) -> kvstore_pb2.ModelFingerprint:

@@ -14,6 +14,7 @@ import openai
 import pytest
 from prompts import random_prompts
 
+from basis.block_hash import hash_prompt_blocks
 from engine import LLM, SamplingParams
 from proto.yinian.v1 import (
     common_pb2,
@@ -25,7 +26,7 @@ from yinian.mesh_probe import (
     index_sizes,
     list_workers,
     scheduler_metric,
-    wait_indexed,
+    wait_held,
     worker_metric,
 )
 
@@ -238,8 +239,10 @@ def test_tenants_do_not_share_prefix_cache(mesh):
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}
     indexed = index_sizes(mesh)
     first = post(mesh, "/v1/completions", body, key=KEY).json()
-    # the worker's KV events reach the scheduler asynchronously: its 12 full blocks
-    holder = wait_indexed(mesh, len(prompt) // 16, indexed)
+    # the worker's KV events reach the scheduler asynchronously: this prompt's 12 full
+    # blocks, by their hashes in the tenant's namespace (a count could be another
+    # request's late batch)
+    holder = wait_held(mesh, hash_prompt_blocks(prompt, 16, "alpha"))
     assert holder, (indexed, index_sizes(mesh))
     again = post(mesh, "/v1/completions", body, key=KEY).json()
     other = post(mesh, "/v1/completions", body, key=OTHER_KEY).json()

@@ -37,6 +37,7 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.alone  # yinian up's default ports, free only with nothing beside it
 def test_served_name_tool_parser_and_key_as_vllm_takes_them(tmp_path):
     assert _port_free(8000), "port 8000 (yinian up's default) is taken on this machine"
     up = UpProcess("--served-model-name", "foo", "--tool-call-parser", "hermes", "--api-key", "k")

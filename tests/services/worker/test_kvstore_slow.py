@@ -97,6 +97,7 @@ async def decode_window(llm: AsyncLLM, batch, tag: str) -> list[int]:
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
 
 
+@pytest.mark.alone  # its bounds need the machine's cores
 def test_a_slow_store_leaves_the_engine_steps_alone(model_dir, slow_store):
     folder = model_dir("tiny-llama")
     per_pass = 2 * ROUNDS  # prompts fetched (and written) in one pass of the rounds
