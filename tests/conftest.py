@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import alone  # noqa: E402
 import pytest  # noqa: E402
+import xdist_groups  # noqa: E402
 from alone import pytest_runtest_protocol  # noqa: E402, F401 - `alone` tests run alone
 from guarded_mesh import guarded_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 from hf_oracle import ARCH_CONFIGS  # noqa: E402
@@ -59,3 +60,7 @@ def model_dir(model_root):
 
 def pytest_configure(config):
     alone.configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    xdist_groups.group(items)  # tests sharing a module's fixture run on one process

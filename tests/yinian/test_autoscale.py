@@ -128,6 +128,7 @@ def test_planner_flags_that_cannot_work_are_refused(tmp_path):
         planner_of(_args(min_workers=3, max_workers=2))
 
 
+@pytest.mark.alone  # the planner decides on the load it measures: it needs the cores
 def test_the_planner_scales_a_running_mesh_up_and_back_down(model_dir, tmp_path):
     logs = tmp_path / "logs"
     up = UpProcess("--model", str(model_dir("tiny-llama")), "--log-dir", str(logs),
