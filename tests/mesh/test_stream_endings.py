@@ -17,7 +17,7 @@ from paths import TESTS
 
 from proto.yinian.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from yinian.children import launch, wait_ready
-from yinian.mesh import Mesh, MeshSpec
+from yinian.mesh import Mesh, MeshSpec, _bound_gateway
 from yinian.mesh_probe import list_workers
 
 MODEL = "tiny-llama"
@@ -29,8 +29,9 @@ def faulty_mesh(model_dir, tmp_path_factory):
     control = tmp_path_factory.mktemp("faulty") / "control"
     control.write_text("finish")
     # workers=0, max_workers=1: the real worker, started below, gets its NATS login
+    # port 0: any free port, read back from the gateway (8000 may be another test's)
     spec = MeshSpec(model=str(model_dir(MODEL)), workers=0, max_workers=1, gateways=0,
-                    engine_argv=["--device", "cpu"])  # fmt: skip
+                    port=0, engine_argv=["--device", "cpu"])  # fmt: skip
     mesh = Mesh(spec).start()  # NATS and the scheduler
     try:
         deadline = time.monotonic() + 120
@@ -46,6 +47,7 @@ def faulty_mesh(model_dir, tmp_path_factory):
         mesh.spec.gateways = 1
         gateway = mesh._spawn_gateway(0)
         wait_ready([worker, gateway], deadline)
+        mesh.gateway_ports = [_bound_gateway(gateway)]
         mesh._wait_healthy(mesh.url, deadline, None)
         yield mesh, control
     finally:

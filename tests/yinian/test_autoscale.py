@@ -133,7 +133,8 @@ def test_the_planner_scales_a_running_mesh_up_and_back_down(model_dir, tmp_path)
     logs = tmp_path / "logs"
     up = UpProcess("--model", str(model_dir("tiny-llama")), "--log-dir", str(logs),
                    "--planner-profile", str(PROFILE), "--planner-interval", "1",
-                   "--max-workers", "3", *SLOS, *MOCK)  # fmt: skip
+                   "--max-workers", "3", "--port", "0", "--grpc-port", "0",
+                   *SLOS, *MOCK)  # fmt: skip
     try:
         up.wait_for("yinian is ready", timeout=120)
         # rising past what one worker serves, then falling
