@@ -28,9 +28,9 @@ if not torch.cuda.is_available():
 
 import alone  # noqa: E402
 import pytest  # noqa: E402
-import xdist_groups  # noqa: E402
 from alone import pytest_runtest_protocol  # noqa: E402, F401 - `alone` tests run alone
 from guarded_mesh import guarded_mesh_fixture  # noqa: E402, F401 - one mesh for the session
+from heavy_first import order  # noqa: E402
 from hf_oracle import ARCH_CONFIGS  # noqa: E402
 from openai_mesh import default_mesh_fixture  # noqa: E402, F401 - one mesh for the session
 
@@ -63,4 +63,4 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    xdist_groups.group(items)  # tests sharing a module's fixture run on one process
+    order(items)  # the slowest files first (to balance the suite's two processes)
