@@ -21,7 +21,7 @@ from engine.micro_batch import MicroBatchPolicy, run_micro_batches
 from engine.models.deepseek_moe import DeepseekMoE
 from engine.models.layers import MLP, Attention, RMSNorm, SparseMoE
 from engine.models.mla import MLAttention
-from engine.models.mtp import MultiTokenPredictor
+from engine.models.mtp import MultiTokenPredictor, mtp_config
 from engine.parallel import comm
 
 
@@ -88,7 +88,10 @@ class CausalLM(nn.Module):
         rows, width = config.max_position_embeddings, config.head_dim
         self.register_buffer("cos_sin", torch.empty(rows, width), persistent=False)
         self.full_vocab_size = config.vocab_size  # a tensor-parallel rank's is a slice
-        self.mtp = MultiTokenPredictor(config) if mtp else None
+        self.mtp = None
+        if mtp:
+            block = DecoderLayer(mtp_config(config), config.num_hidden_layers)
+            self.mtp = MultiTokenPredictor(config, block)
         self.experts: ExpertBackend = LOCAL_EXPERTS
         self.micro_batching: MicroBatchPolicy | None = None  # ping-pong micro-batches
         self._fp32_logits = True

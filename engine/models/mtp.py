@@ -33,15 +33,15 @@ def has_mtp(config: ModelConfig) -> bool:
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, block: nn.Module):
+        """`block`: its decoder layer, built by the model (decoder.py) for `mtp_config`,
+        at index `num_hidden_layers`."""
         super().__init__()
-        from engine.models.decoder import DecoderLayer
-
         width, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(width, eps)
         self.hnorm = RMSNorm(width, eps)
         self.eh_proj = nn.Parameter(torch.empty(width, 2 * width))
-        self.block = DecoderLayer(mtp_config(config), config.num_hidden_layers)
+        self.block = block
         self.norm = RMSNorm(width, eps)
 
     def forward(self, embedded, hidden, positions, cos_sin, cache, meta, backend):
