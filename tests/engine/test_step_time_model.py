@@ -22,7 +22,10 @@ def test_the_committed_h200_profile_is_the_fit_of_the_committed_results():
     profile, check = fit()
     committed = json.loads((PROFILES / "h200.json").read_text())
     for key, value in profile.__dict__.items():
-        assert committed[key] == pytest.approx(value, rel=1e-9), key
+        if isinstance(value, str):  # approx takes numbers only (pytest 9.2 raises on a str)
+            assert committed[key] == value, key
+        else:
+            assert committed[key] == pytest.approx(value, rel=1e-9), key
     for what, (measured, modelled) in check.items():  # each input given back
         assert modelled == pytest.approx(measured, rel=0.02), what
 
