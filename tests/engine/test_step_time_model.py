@@ -73,6 +73,7 @@ def test_the_model_refuses_moe_and_mla_configs_and_unknown_devices(model_dir):
         LLM(model_dir("tiny-llama"), model_runner="mock", mock_time_scale=0)
 
 
+@pytest.mark.alone  # each step within a second of its modelled time
 def test_a_mock_engine_on_a_device_profile_takes_each_steps_modelled_time_scaled(model_dir):
     llm = LLM(model_dir("tiny-llama"), model_runner="mock", mock_device="h200",
               mock_time_scale=100.0)  # fmt: skip

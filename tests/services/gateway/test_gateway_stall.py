@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from guarded_mesh import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
@@ -34,6 +35,7 @@ def _port(mesh) -> int:
     return int(mesh.url.rsplit(":", 1)[1])
 
 
+@pytest.mark.alone  # a 0.5 s bound on the small requests
 def test_a_15_mb_prompt_leaves_other_requests_quick(guarded_mesh):
     huge = {"model": MODEL, "prompt": "def f(x): return x  " * 750_000, "max_tokens": 2}
     answer: list = []
@@ -55,6 +57,7 @@ def test_a_15_mb_prompt_leaves_other_requests_quick(guarded_mesh):
     assert answer[0].status_code == 400 and "characters" in error["message"]
 
 
+@pytest.mark.alone  # counts the event loop's heartbeats against the wall
 def test_a_long_text_is_tokenized_while_the_event_loop_serves_others():
     core = GatewayCore(MODEL, str(ensure_default_model()), frontend=None)
     text = "def f(x):\n    return x + 1  # a comment\n" * 50_000  # 2 MB
