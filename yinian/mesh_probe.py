@@ -15,12 +15,9 @@ from services.common.tls import sync_channel
 
 
 def list_workers(mesh):
-    channel = sync_channel(mesh.scheduler_address, mesh.spec.tls)
-    return (
-        scheduler_pb2_grpc.SchedulerStub(channel)
-        .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
-        .workers
-    )
+    with sync_channel(mesh.scheduler_address, mesh.spec.tls) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        return stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers
 
 
 def workers_by_role(mesh) -> dict[str, list]:
@@ -118,24 +115,24 @@ def wait_indexed(
     (None if the time ran out). One holder's count, so that a late batch of another's
     is not taken for this request's."""
     before = before or {}
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def grown() -> str | None:
         for holder, count in index_sizes(mesh, tier).items():
             if among is not None and holder not in among:
                 continue
             if count >= before.get(holder, 0) + blocks:
                 return holder
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
+        return None
+
+    return _poll(grown, timeout)
 
 
 def gpu_holders(mesh, block_hashes: list[int]) -> list[set[str]]:
     """Per leading block of a prompt (its chained hashes) the workers the scheduler's KV
     index says hold it on their GPU, up to the first block nobody holds anywhere."""
-    channel = sync_channel(mesh.scheduler_address, mesh.spec.tls)
     request = scheduler_pb2.HoldersRequest(block_hashes=block_hashes)
-    answer = scheduler_pb2_grpc.SchedulerStub(channel).Holders(request, timeout=5)
+    with sync_channel(mesh.scheduler_address, mesh.spec.tls) as channel:
+        answer = scheduler_pb2_grpc.SchedulerStub(channel).Holders(request, timeout=5)
     return [set(b.gpu) for b in answer.blocks]
 
 
@@ -143,14 +140,24 @@ def wait_held(mesh, block_hashes: list[int], timeout: float = 15.0) -> str | Non
     """Waits until one worker holds every one of `block_hashes` on its GPU by the
     scheduler's KV index (the KV events of the request that stored exactly these
     blocks have reached it); returns that worker (None if the time ran out)."""
+
+    def holder() -> str | None:
+        held = gpu_holders(mesh, block_hashes)
+        if len(held) != len(block_hashes) or not held:
+            return None
+        return min(set.intersection(*held), default=None)
+
+    return _poll(holder, timeout)
+
+
+def _poll(check, timeout: float):
+    """`check()` every 50 ms until it returns something other than None, which is
+    returned; None once `timeout` seconds have passed."""
     deadline = time.monotonic() + timeout
     while True:
-        held = gpu_holders(mesh, block_hashes)
-        common = set.intersection(*held) if len(held) == len(block_hashes) and held else set()
-        if common:
-            return min(common)
-        if time.monotonic() > deadline:
-            return None
+        found = check()
+        if found is not None or time.monotonic() > deadline:
+            return found
         time.sleep(0.05)
 
 
