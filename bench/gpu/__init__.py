@@ -23,6 +23,7 @@ SCRIPTS = (
     "pd_nccl",
     "serving",
     "mla",
+    "mla_sweep",
     "kvstore",
     "kv_serving",
     "host_writes",

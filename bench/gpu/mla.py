@@ -37,6 +37,38 @@ CPU = dict(kernel_cases=[(2, 40), (1, 70)], heads=[4, 16], block_size=16,
 CHECKED = ("tiny-deepseek-v2", "tiny-deepseek-v3")
 
 
+def case_cache(batch: int, context: int, block_size: int, dtype, device: str):
+    """A paged latent cache of batch sequences of `context` tokens in scattered blocks:
+    (cache, block_tables, seq_lens)."""
+    blocks = -(-context // block_size)
+    cache = torch.randn(batch * blocks + 1, 1, block_size, 1, LATENT + ROPE, device=device)
+    tables = torch.randperm(batch * blocks, device=device).view(batch, blocks).int() + 1
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return cache.to(dtype), tables, lens
+
+
+def case_queries(batch: int, heads: int, dtype, device: str):
+    """(q_latent, q_pe) views of one [batch, heads, latent + rope] query."""
+    q = torch.randn(batch, heads, LATENT + ROPE, device=device).to(dtype) * 0.1
+    return q[..., :LATENT], q[..., LATENT:]
+
+
+SCALE = (128 + 64) ** -0.5
+
+
+def kernel_row(batch: int, context: int, heads: int, ms: float, element: int,
+               ceilings: dict) -> dict:  # fmt: skip
+    """A launch's time as bandwidth (the latents read once) and as tensor-core work."""
+    latent_bytes = batch * context * (LATENT + ROPE) * element
+    gbps = latent_bytes / (ms / 1e3) / 1e9
+    tflops = 2 * batch * heads * context * (LATENT + ROPE + LATENT) / (ms / 1e3) / 1e12
+    return {
+        "batch": batch, "context": context, "heads": heads, "ms": ms, "latent_gbps": gbps,
+        "fraction_of_copy_bandwidth": gbps / ceilings["copy_gbps"], "tflops": tflops,
+        "fraction_of_matmul_peak": tflops / ceilings["matmul_bf16_tflops"],
+    }  # fmt: skip
+
+
 def decode_kernel(sizes: dict, ceilings: dict, device: str) -> list[dict]:
     """The MLA decode kernel at each (batch, context) and head count, bf16 (float32 on
     the CPU, where the interpreter's bfloat16 is not the GPU's)."""
@@ -46,18 +78,9 @@ def decode_kernel(sizes: dict, ceilings: dict, device: str) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
     for batch, context in sizes["kernel_cases"]:
-        bs = sizes["block_size"]
-        blocks = -(-context // bs)
-        cache = torch.randn(batch * blocks + 1, 1, bs, 1, LATENT + ROPE, device=device)
-        cache = cache.to(dtype)
-        tables = torch.randperm(batch * blocks, device=device).view(batch, blocks).int() + 1
-        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        cache, tables, lens = case_cache(batch, context, sizes["block_size"], dtype, device)
         for heads in sizes["heads"]:
-            q = torch.randn(batch, heads, LATENT + ROPE, device=device).to(dtype) * 0.1
-            q_latent, q_pe = q[..., :LATENT], q[..., LATENT:]
-            scale = (128 + 64) ** -0.5
-
-            args = (q_latent, q_pe, cache, tables, lens, scale)
+            args = (*case_queries(batch, heads, dtype, device), cache, tables, lens, SCALE)
 
             def kernel(args=args, context=context):
                 return mla_decode_attention(*args, context)
@@ -67,18 +90,10 @@ def decode_kernel(sizes: dict, ceilings: dict, device: str) -> list[dict]:
 
             out, want = kernel().float(), reference().float()
             ms, ref_ms = queued_ms(kernel, device), median_ms(reference, device)
-            latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
-            gbps = latent_bytes / (ms / 1e3) / 1e9
-            flops = 2 * batch * heads * context * (LATENT + ROPE + LATENT)
-            rows.append({
-                "batch": batch, "context": context, "heads": heads, "ms": ms,
-                "reference_ms": ref_ms, "speedup_vs_reference": ref_ms / ms,
-                "latent_gbps": gbps, "fraction_of_copy_bandwidth": gbps / ceilings["copy_gbps"],
-                "tflops": flops / (ms / 1e3) / 1e12,
-                "fraction_of_matmul_peak": flops / (ms / 1e3) / 1e12
-                / ceilings["matmul_bf16_tflops"],
-                "max_rel_error": ((out - want).abs().max() / want.abs().max()).item(),
-            })  # fmt: skip
+            row = kernel_row(batch, context, heads, ms, cache.element_size(), ceilings)
+            error = ((out - want).abs().max() / want.abs().max()).item()
+            row.update(reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms, max_rel_error=error)
+            rows.append(row)
     return rows
 
 

@@ -88,6 +88,7 @@ EXPECTED = {
         "engine/tiny-deepseek-v3/float32": "ok",
         "engine/tiny-deepseek-v3/bfloat16": CUDA_ONLY,
     },
+    "mla_sweep": {"ceilings": "ok", "candidates": "ok", "splits": "ok"},
 }
 
 
