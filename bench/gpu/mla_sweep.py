@@ -73,8 +73,8 @@ def read_pass_ms(cache: torch.Tensor, device: str) -> float:
 def candidates(sizes: dict, ceilings: dict, device: str) -> list[dict]:
     selector, found = pool(device, sizes["per_variant"])
     rows = []
-    for batch, context in sizes["cases"]:
-        for heads in sizes["heads"]:
+    for heads in sizes["heads"]:  # the first head count's every case first
+        for batch, context in sizes["cases"]:
             case = Case(batch, context, heads, sizes, device)
             read_ms = read_pass_ms(case.cache, device)
             for candidate in found:
