@@ -171,6 +171,15 @@ MLA_DECODE_CONFIGS = [
     dict(block_h=64, block_n=16, num_warps=8, num_stages=3, programs_per_sm=1),
     dict(block_h=64, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2),
     dict(block_h=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1),
+    # at 16 heads on an H100 (bench/results/mla_sweep_s71a.json) 32-token tiles on 4 warps
+    # read fastest, and with fewer splits than 4 programs an SM asks for (4 at B 64 x 4k:
+    # 0.80 of the copy bandwidth against 0.75 at 8): the same with 2, and deeper pipelines
+    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
+    dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
+    dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=4),
+    dict(block_h=16, block_n=32, num_warps=4, num_stages=4, programs_per_sm=2),
+    dict(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
+    dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1),
 ]
 
 

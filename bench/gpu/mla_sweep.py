@@ -6,6 +6,7 @@ read-only pass over the same cache (torch's sum); then, for the fastest candidat
 each variant at the first head count, every split count.
 
 Usage: python -m bench.gpu.mla_sweep --out FILE [--skip NAME ...] [--device cpu]
+           [--heads N ...] [--variants NAME ...]
 Sections: ceilings, candidates, splits. `--device cpu` is a dry run at tiny sizes
 through Triton's interpreter (float16, two candidates of each variant).
 """
@@ -24,12 +25,13 @@ GPU = dict(cases=[(64, 4096), (8, 32768)], heads=[16, 128], block_size=16,
 CPU = dict(cases=[(2, 40)], heads=[4], block_size=16, splits=(1, 2), per_variant=2)
 
 
-def pool(device: str, per_variant: int | None):
+def pool(device: str, per_variant: int | None, variants: list[str] | None = None):
     """The selector's candidates (on the CPU, each variant's first few: the interpreter
-    runs the TMA kernel too)."""
+    runs the TMA kernel too), of the variants asked for."""
     from kernels.mla_decode import SELECTOR
 
     found = SELECTOR.candidates if device == "cpu" else SELECTOR.usable(torch.device(device))
+    found = [c for c in found if variants is None or c.variant in variants]
     if per_variant is None:
         return SELECTOR, found
     firsts = [[c for c in found if c.variant == v][:per_variant] for v in SELECTOR.variants]
@@ -71,7 +73,7 @@ def read_pass_ms(cache: torch.Tensor, device: str) -> float:
 
 
 def candidates(sizes: dict, ceilings: dict, device: str) -> list[dict]:
-    selector, found = pool(device, sizes["per_variant"])
+    selector, found = pool(device, sizes["per_variant"], sizes.get("variants"))
     rows = []
     for heads in sizes["heads"]:  # the first head count's every case first
         for batch, context in sizes["cases"]:
@@ -98,7 +100,7 @@ def candidates(sizes: dict, ceilings: dict, device: str) -> list[dict]:
 
 def splits(sizes: dict, ceilings: dict, device: str, found_rows: list[dict]) -> list[dict]:
     """The fastest candidate of each variant at the first head count, at every split count."""
-    selector, found = pool(device, sizes["per_variant"])
+    selector, found = pool(device, sizes["per_variant"], sizes.get("variants"))
     heads, rows = sizes["heads"][0], []
     for batch, context in sizes["cases"]:
         case = Case(batch, context, heads, sizes, device)
@@ -125,8 +127,12 @@ def splits(sizes: dict, ceilings: dict, device: str, found_rows: list[dict]) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = script_parser(__doc__).parse_args(argv)
-    sizes = GPU if args.device == "cuda" else CPU
+    parser = script_parser(__doc__)
+    parser.add_argument("--heads", type=int, nargs="+", help="head counts (default: all)")
+    parser.add_argument("--variants", nargs="+", help="variants (default: all)")
+    args = parser.parse_args(argv)
+    sizes = dict(GPU if args.device == "cuda" else CPU, variants=args.variants)
+    sizes["heads"] = args.heads or sizes["heads"]
     with Sections(args, script="mla_sweep") as section:
         ceilings = section("ceilings", lambda: measure(args.device))
         if ceilings is None:
