@@ -33,7 +33,6 @@ from kernels.decode_attention import (
     reduce_splits,
     split_partials,
 )
-from kernels.mla_decode_tma import tma_device_ok, tma_mla_decode
 from kernels.selection import Selector, next_power_of_2
 
 
@@ -190,36 +189,12 @@ def _bucket(q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len, o
     )  # fmt: skip
 
 
-# TMA pages (kernels/mla_decode_tma.py): one page a tile, so the tile is the block size;
-# the configs vary the head block, the warps, the pipeline's depth and the split count.
-MLA_TMA_CONFIGS = [
-    dict(block_h=16, num_warps=4, num_stages=3, programs_per_sm=4),
-    dict(block_h=16, num_warps=4, num_stages=4, programs_per_sm=4),
-    dict(block_h=16, num_warps=4, num_stages=3, programs_per_sm=8),
-    dict(block_h=16, num_warps=4, num_stages=4, programs_per_sm=2),
-    dict(block_h=16, num_warps=8, num_stages=3, programs_per_sm=4),
-    dict(block_h=32, num_warps=8, num_stages=3, programs_per_sm=2),
-    dict(block_h=64, num_warps=8, num_stages=2, programs_per_sm=1),
-    dict(block_h=64, num_warps=8, num_stages=3, programs_per_sm=2),
-]
-
-
-def tma_or_pointer(*args, **config):
-    """The TMA kernel where the cache's shape allows its boxes, else the pointer kernel."""
-    return tma_mla_decode(*args, **config, fallback=_pointer_default)
-
-
-def _pointer_default(*args):
-    return split_kv_mla_decode(*args, **MLA_DECODE_CONFIGS[0])
-
-
 SELECTOR = Selector(
     "mla_decode",
-    {"split_kv": split_kv_mla_decode, "tma": tma_or_pointer},
-    {"split_kv": MLA_DECODE_CONFIGS, "tma": MLA_TMA_CONFIGS},
+    {"split_kv": split_kv_mla_decode},
+    {"split_kv": MLA_DECODE_CONFIGS},
     _bucket,
-    supported={"tma": tma_device_ok},
-    revision="tma",  # choices made before the TMA candidates existed are made again
+    revision="s71",  # choices made before the configs above were added are made again
 )
 
 

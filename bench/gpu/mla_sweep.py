@@ -1,9 +1,8 @@
 """The paged MLA decode kernel's candidates one by one on one GPU (what the kernel
 selector chooses among in bench/gpu/mla.py's decode_kernel section): each variant
-("split_kv", pointer loads; "tma", pages copied by the TMA engine) and launch config
-at each (batch, context) and head count, as a fraction of the copy bandwidth and of a
-read-only pass over the same cache (torch's sum); then, for the fastest candidate of
-each variant at the first head count, every split count.
+and launch config at each (batch, context) and head count, as a fraction of the copy
+bandwidth and of a read-only pass over the same cache (torch's sum); then, for the
+fastest candidate of each variant at the first head count, every split count.
 
 Usage: python -m bench.gpu.mla_sweep --out FILE [--skip NAME ...] [--device cpu]
            [--heads N ...] [--variants NAME ...]
@@ -26,8 +25,8 @@ CPU = dict(cases=[(2, 40)], heads=[4], block_size=16, splits=(1, 2), per_variant
 
 
 def pool(device: str, per_variant: int | None, variants: list[str] | None = None):
-    """The selector's candidates (on the CPU, each variant's first few: the interpreter
-    runs the TMA kernel too), of the variants asked for."""
+    """The selector's candidates of the variants asked for (on the CPU, each variant's
+    first few)."""
     from kernels.mla_decode import SELECTOR
 
     found = SELECTOR.candidates if device == "cpu" else SELECTOR.usable(torch.device(device))
