@@ -33,7 +33,6 @@ from kernels.decode_attention import (
     reduce_splits,
     split_partials,
 )
-from kernels.mla_merge import merge_if_last, tickets, zero_padding_row
 from kernels.selection import Selector, next_power_of_2
 from kernels.selection_verify import close_outputs
 
@@ -41,13 +40,13 @@ from kernels.selection_verify import close_outputs
 @triton.jit
 def _mla_decode_split_kernel(
     q_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, ticket_ptr,
+    part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ob, stride_oh, stride_table,
     NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,19 +56,15 @@ def _mla_decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < NUM_HEADS
     if NUM_SPLITS > 1:
-        if start >= end:  # past this sequence's end: the merge skips this split
-            if FUSED_MERGE:
-                if (seq_len == 0) & (split == 0):
-                    zero_padding_row(out_ptr, seq, heads, h_ok, stride_ob, stride_oh, LATENT,
-                                     BLOCK_H, BLOCK_C)  # fmt: skip
+        if start >= end:  # past this sequence's end: stage 2 skips this split
             return
 
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
+    h_ok = heads < NUM_HEADS
     c_ok = offs_c < LATENT
     r_ok = offs_r < ROPE
     q_c = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_c[None, :],
@@ -117,24 +112,18 @@ def _mla_decode_split_kernel(
         tl.store(part_out_ptr + row[:, None] * LATENT + offs_c[None, :], acc / l_i[:, None],
                  mask=out_mask)  # fmt: skip
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=h_ok)
-        if FUSED_MERGE:
-            merge_if_last(ticket_ptr + seq * tl.num_programs(0) + head_block, part_out_ptr,
-                          part_lse_ptr, out_ptr, seq, heads, h_ok, tl.cdiv(seq_len, split_len),
-                          stride_ob, stride_oh, NUM_HEADS, NUM_SPLITS, LATENT, BLOCK_H,
-                          BLOCK_C)  # fmt: skip
 
 
 def split_kv_mla_decode(
     q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len, out,
     *, block_h, block_n, num_warps, num_stages, programs_per_sm, num_splits=None,
-    max_registers=None, exact_splits=False, fused_merge=False,
+    max_registers=None, exact_splits=False,
 ):  # fmt: skip
     """One launch with an explicit config (what the Selector times); inputs already checked.
 
     num_splits overrides the policy (tests use it to check splits do not change the result).
     max_registers caps each thread's registers (ptxas's maxnreg), so that more programs fit
-    on an SM; exact_splits asks for as many splits as fill one wave of them; fused_merge
-    merges the splits in the same launch (kernels/mla_merge.py).
+    on an SM; exact_splits asks for as many splits as fill one wave of them.
     """
     batch, heads, latent_dim = q_latent.shape
     rope_dim, page_size = q_pe.shape[2], cache.shape[2]
@@ -148,21 +137,18 @@ def split_kv_mla_decode(
     limits = {} if max_registers is None or not q_latent.is_cuda else {"maxnreg": max_registers}
     block_c = max(16, triton.next_power_of_2(latent_dim))  # tl.dot needs K >= 16
     part_out, part_lse = split_partials(out, num_splits)
-    ticket = tickets(out.device, batch * head_blocks) if fused_merge and num_splits > 1 else None
     _mla_decode_split_kernel[(head_blocks, num_splits, batch)](
         q_latent, q_pe, cache, block_tables, seq_lens, out, part_out, part_lse,
-        part_lse if ticket is None else ticket,
         scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_HEADS=heads, LATENT=latent_dim, ROPE=rope_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=block_c,
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q_latent.dtype), FUSED_MERGE=ticket is not None,
+        DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=num_warps, num_stages=num_stages, **limits,
     )  # fmt: skip
-    if ticket is None:
-        reduce_splits(part_out, part_lse, seq_lens, out, num_splits, block_n, block_c)
+    reduce_splits(part_out, part_lse, seq_lens, out, num_splits, block_n, block_c)
     return out
 
 
@@ -211,15 +197,6 @@ MLA_DECODE_CONFIGS = [
          max_registers=128, exact_splits=True),
     dict(block_h=16, block_n=16, num_warps=4, num_stages=4, programs_per_sm=4,
          max_registers=128, exact_splits=True),
-    # the splits merged in the same launch by the last to finish (kernels/mla_merge.py)
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-         fused_merge=True),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-         exact_splits=True, fused_merge=True),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3,
-         max_registers=168, exact_splits=True, fused_merge=True),
-    dict(block_h=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1,
-         fused_merge=True),
 ]
 # fmt: on
 
