@@ -166,18 +166,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, kv_heads: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int,
-    exact: bool = False,
-) -> int:  # fmt: skip
-    """Splits so stage 1 has about programs_per_sm programs per SM, each with >= 4 tiles.
-
-    Rounded down to a power of two (few compiled variants, and neither cap is exceeded);
-    or, `exact`, as many as fit programs_per_sm on every SM in one wave."""
-    if exact:
-        wanted = max(1, programs_per_sm * sms // max(batch * kv_heads, 1))
-        return max(1, min(wanted, max_seq_len // (4 * block_n), 64))
+    batch: int, kv_heads: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int
+) -> int:
+    """Splits so stage 1 has about programs_per_sm programs per SM, each with >= 4 tiles."""
     wanted = triton.cdiv(programs_per_sm * sms, max(batch * kv_heads, 1))
     splits = min(wanted, max_seq_len // (4 * block_n), 64)
+    # Rounded down to a power of two: few compiled variants, and neither cap is exceeded.
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 

@@ -117,13 +117,10 @@ def _mla_decode_split_kernel(
 def split_kv_mla_decode(
     q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len, out,
     *, block_h, block_n, num_warps, num_stages, programs_per_sm, num_splits=None,
-    max_registers=None, exact_splits=False,
 ):  # fmt: skip
     """One launch with an explicit config (what the Selector times); inputs already checked.
 
     num_splits overrides the policy (tests use it to check splits do not change the result).
-    max_registers caps each thread's registers (ptxas's maxnreg), so that more programs fit
-    on an SM; exact_splits asks for as many splits as fill one wave of them.
     """
     batch, heads, latent_dim = q_latent.shape
     rope_dim, page_size = q_pe.shape[2], cache.shape[2]
@@ -133,8 +130,7 @@ def split_kv_mla_decode(
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(batch, head_blocks, max_seq_len, block_n, programs_per_sm,
-                                       _sm_count(q_latent.device), exact_splits)  # fmt: skip
-    limits = {} if max_registers is None or not q_latent.is_cuda else {"maxnreg": max_registers}
+                                       _sm_count(q_latent.device))  # fmt: skip
     block_c = max(16, triton.next_power_of_2(latent_dim))  # tl.dot needs K >= 16
     part_out, part_lse = split_partials(out, num_splits)
     _mla_decode_split_kernel[(head_blocks, num_splits, batch)](
@@ -146,7 +142,7 @@ def split_kv_mla_decode(
         NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=block_c,
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q_latent.dtype),
-        num_warps=num_warps, num_stages=num_stages, **limits,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     reduce_splits(part_out, part_lse, seq_lens, out, num_splits, block_n, block_c)
     return out
@@ -160,7 +156,6 @@ def split_kv_mla_decode(
 # suit 128 heads (V3), where each cache tile then serves more query rows (32 heads with
 # 8 warps: 222 registers, no spills; 64 spill, yet ran fastest at 128 heads on an H200).
 # The first is the CPU default.
-# fmt: off
 MLA_DECODE_CONFIGS = [
     dict(block_h=16, block_n=16, num_warps=4, num_stages=2, programs_per_sm=4),
     dict(block_h=16, block_n=16, num_warps=4, num_stages=3, programs_per_sm=8),
@@ -185,20 +180,7 @@ MLA_DECODE_CONFIGS = [
     dict(block_h=16, block_n=32, num_warps=4, num_stages=4, programs_per_sm=2),
     dict(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
     dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1),
-    # 210 registers a thread hold those to 2 programs an SM (Nsight Compute,
-    # bench/results/mla_s71_ncu.txt): capped, 3 or 4 fit, with splits to fill one wave
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-         exact_splits=True),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3,
-         max_registers=168, exact_splits=True),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3,
-         max_registers=168, exact_splits=True),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=4,
-         max_registers=128, exact_splits=True),
-    dict(block_h=16, block_n=16, num_warps=4, num_stages=4, programs_per_sm=4,
-         max_registers=128, exact_splits=True),
 ]
-# fmt: on
 
 
 def _bucket(q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len, out):

@@ -145,11 +145,6 @@ def test_num_splits_policy():
     assert choose_num_splits(256, 8, 4096, 64, 4, 132) == 1
     assert choose_num_splits(1, 1, 100, 64, 4, 132) == 1  # too short to split
     assert choose_num_splits(1, 1, 10**6, 64, 8, 132) == 64  # capped
-    # exact: as many as fit the programs on every SM in one wave, not a power of two
-    assert choose_num_splits(64, 1, 4096, 32, 3, 132, exact=True) == 6  # 384 programs of 396 places
-    assert choose_num_splits(8, 1, 32768, 32, 3, 132, exact=True) == 49
-    assert choose_num_splits(256, 1, 4096, 32, 3, 132, exact=True) == 1
-    assert choose_num_splits(8, 1, 300, 32, 3, 132, exact=True) == 2  # >= 4 tiles a split
 
 
 def test_empty_batches():
