@@ -181,6 +181,10 @@ MLA_DECODE_CONFIGS = [
     dict(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
     dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1),
 ]
+# Measured slower at 16 heads and dropped (bench/results/mla_sweep_s71a.json, _s71c.json): TMA
+# copies of one page a tile (0.62 of the copy bandwidth at best), a register cap so 3 or 4
+# programs fit an SM (0.50-0.58), the splits merged in the same launch by the last to
+# finish (0.78 at B 64 x 4k, 0.65 at B 8 x 32k, where one program merges 32 partials).
 
 
 def _bucket(q_latent, q_pe, cache, block_tables, seq_lens, scale, max_seq_len, out):
