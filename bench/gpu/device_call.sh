@@ -32,5 +32,8 @@ done
 find .kcache -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
   -o -name '*.source' \) -delete
 tar czf "$OUT/kcache.tgz" .kcache
+# the kernel choices alone too (a few kB): they come back even when the whole cache is
+# over the size a call may return
+[ -d .kcache/select ] && tar czf "$OUT/kchoices.tgz" .kcache/select
 tar czf "$OUT/meshlogs.tgz" --exclude='yinian-redis-*' /tmp/yinian-*/ 2>/dev/null
 ls -la "$OUT"
