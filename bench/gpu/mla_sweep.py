@@ -93,7 +93,8 @@ def candidates(sizes: dict, ceilings: dict, device: str) -> list[dict]:
                       f" of copy, {row['fraction_of_read_pass']:.3f} of a read pass, "
                       f"{row['tflops']:.0f} TFLOP/s, err {error:.1e}", flush=True)  # fmt: skip
             del case
-            torch.cuda.empty_cache() if device == "cuda" else None
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
