@@ -40,7 +40,7 @@ from kernels.extend_attention_tma import (
     tma_inputs_ok,
 )
 from kernels.selection import Selector, next_power_of_2
-from kernels.selection_verify import close_outputs
+from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
 
 LOG2E = 1.4426950408889634
 
@@ -236,17 +236,13 @@ def tma_extend(q, k, v, cache, block_tables, query_start_loc, seq_lens, max_quer
     return flash_extend(*args, **config)
 
 
-# Between two correct kernels outputs differ by rounding (p is rounded to the input
-# dtype before P @ V); a wrong mask or a misread tile is off by far more.
-OUTPUT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
 SELECTOR = Selector(
     "extend_attention",
     {"flash": flash_extend, "tma": tma_extend},
     {"flash": EXTEND_CONFIGS, "tma": TMA_CONFIGS},
     _bucket,
     supported={"tma": tma_device_ok},
-    verify=close_outputs(OUTPUT_TOLERANCE),
+    verify=close_outputs(ATTENTION_TOLERANCE),
     revision="tma-pipeline",  # choices made before these candidates existed are made again
 )
 

@@ -34,7 +34,7 @@ from kernels.decode_attention import (
     split_partials,
 )
 from kernels.selection import Selector, next_power_of_2
-from kernels.selection_verify import close_outputs
+from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
 
 
 @triton.jit
@@ -200,7 +200,7 @@ SELECTOR = Selector(
     {"split_kv": MLA_DECODE_CONFIGS},
     _bucket,
     # a candidate whose output parts from the first's is dropped, never chosen
-    verify=close_outputs({torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}),
+    verify=close_outputs(ATTENTION_TOLERANCE),
     revision="s71",  # choices made before the configs above were added are made again
 )
 

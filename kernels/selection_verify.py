@@ -26,6 +26,13 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
+# How far a candidate attention kernel's output may part from the first candidate's
+# (extend and MLA decode): tol * (1 + |x|) by dtype. Between two correct kernels outputs
+# differ by rounding (p is rounded to the input dtype before P @ V); a wrong mask or a
+# misread tile is off by far more.
+ATTENTION_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
 def close_outputs(
     tolerance: dict[torch.dtype, float], default: float = 1e-2, chunk: int = 1 << 22
 ) -> Callable[[object, object], str | None]:

@@ -307,7 +307,8 @@ def test_extend_attention_variants_are_checked_against_the_pointer_kernel(fresh_
     check against the pointer kernel's; a fast kernel with a wrong scale is dropped."""
     from attention_batches import CAPABILITY, MIXED, SCALE, make_batch
 
-    from kernels.extend_attention import OUTPUT_TOLERANCE, flash_extend, tma_extend
+    from kernels.extend_attention import flash_extend, tma_extend
+    from kernels.selection_verify import ATTENTION_TOLERANCE
 
     if CAPABILITY is not None and CAPABILITY < (9, 0):
         pytest.skip("TMA needs sm_90 or newer")
@@ -334,7 +335,7 @@ def test_extend_attention_variants_are_checked_against_the_pointer_kernel(fresh_
         bucket=lambda *args: (args[0].shape[0],),
         timer=lambda fn: (fn(), {"flash": 3.0, "tma": 2.0, "bad": 1.0}[ran[-1]])[1],
         tune_on_cpu=True,
-        verify=close_outputs(OUTPUT_TOLERANCE),
+        verify=close_outputs(ATTENTION_TOLERANCE),
     )  # fmt: skip
     query_lens, seq_lens = MIXED
     b = make_batch(query_lens, seq_lens, 2, 2, 16, 8, torch.bfloat16)
