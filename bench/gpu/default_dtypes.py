@@ -31,6 +31,7 @@ from __future__ import annotations
 from bench.gpu.engine_checks import compare_greedy
 from bench.gpu.sections import Sections, script_parser
 from bench.gpu.speculative import first_difference
+from bench.loadgen.metrics import nearest_rank
 from engine import LLM, SamplingParams
 from yinian.default_model import ensure_default_model
 
@@ -93,11 +94,6 @@ def gap_moves(ref_out, got_out, upto: int | None) -> list[float]:
     return moves
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) -> dict:
     params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=5)
     outs = {}
@@ -115,8 +111,9 @@ def default_dtypes(folder: str, prompts: list[str], tokens: int, device: str) ->
     pairs = list(zip(outs["float32"], outs["bfloat16"]))
     rows = [compare_greedy(a, b) for a, b in pairs]
     moves = [m for (a, b), row in zip(pairs, rows) for m in gap_moves(a, b, row["diverged_at"])]
-    rounding = {"positions": len(moves), "p50": quantile(moves, 0.5),
-                "p99": quantile(moves, 0.99), "max": max(moves, default=0.0)}  # fmt: skip
+    some = moves or [0.0]  # (no shared position: nothing moved)
+    rounding = {"positions": len(moves), "p50": nearest_rank(some, 0.5),
+                "p99": nearest_rank(some, 0.99), "max": max(some)}  # fmt: skip
     print(f"  bf16 moves float32's top-two gap by {rounding['p50']:.4f} (p50), "
           f"{rounding['p99']:.4f} (p99), {rounding['max']:.4f} (max) over "
           f"{rounding['positions']} shared positions")  # fmt: skip

@@ -36,6 +36,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) as one of the values: the one at rank q * n of the
+    sorted n (the last for q = 1). Unlike latency_stats' percentiles, no interpolation."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def latency_stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     """mean/median/std/percentiles in ms; None (null) when there is no sample, so that
     a run where everything failed can never read as a fast one."""

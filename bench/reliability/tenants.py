@@ -25,17 +25,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.loadgen.metrics import nearest_rank
 from bench.reliability.chaos import tiny_model
 from bench.reliability.rounds import write_results
 from yinian.mesh import Mesh, MeshSpec
 
 KEY_A, KEY_B = "sk-bench-tenant-a", "sk-bench-tenant-b"
 BODY = {"model": "tiny-llama", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def tenant_b(client: httpx.AsyncClient, count: int) -> dict:
@@ -46,7 +42,7 @@ async def tenant_b(client: httpx.AsyncClient, count: int) -> dict:
                                  headers={"Authorization": f"Bearer {KEY_B}"})  # fmt: skip
         latencies.append(time.perf_counter() - start)
         statuses[resp.status_code] += 1
-    return {"p50_s": statistics.median(latencies), "p90_s": percentile(latencies, 0.9),
+    return {"p50_s": statistics.median(latencies), "p90_s": nearest_rank(latencies, 0.9),
             "mean_s": statistics.mean(latencies), "requests": count,
             "statuses": dict(statuses)}  # fmt: skip
 
