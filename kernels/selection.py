@@ -211,7 +211,9 @@ class Selector:
     verify: callable(reference_output, output) -> None when the output is acceptable,
     else a short reason; when given, tuning checks each candidate's output against the
     output of the first candidate that ran (see selection_verify.close_outputs) and drops those that
-    disagree or raise. revision: bumped when the candidates change enough that choices
+    disagree or raise. applies: callable(config, *args) -> bool, the configs that suit these
+    inputs (one the shape would turn into another's duplicate is never tuned nor chosen for
+    them; the first config must suit every input). revision: bumped when the candidates change enough that choices
     already on disk should be made again (it is part of the on-disk key).
     """
 
@@ -225,6 +227,7 @@ class Selector:
         tune_on_cpu: bool = False,
         supported: dict[str, Callable[[torch.device], bool]] | None = None,
         verify: Callable[[object, object], str | None] | None = None,
+        applies: Callable[..., bool] | None = None,
         revision: str = "",
     ):
         self.op = op
@@ -234,6 +237,7 @@ class Selector:
         self.tune_on_cpu = tune_on_cpu
         self.supported = supported or {}
         self.verify = verify
+        self.applies = applies
         self.cache_key = f"{op}@{revision}" if revision else op
         self.candidates = [
             Candidate(name, tuple(sorted(cfg.items())))
@@ -264,6 +268,12 @@ class Selector:
                 raise RuntimeError(f"no variant of kernel {self.op} supports {key}")
         return self._usable[key]
 
+    def suiting(self, candidates: list[Candidate], args: tuple) -> list[Candidate]:
+        """The candidates whose config suits these inputs (see `applies`)."""
+        if self.applies is None:
+            return candidates
+        return [c for c in candidates if self.applies(c.kwargs, *args)]
+
     def __call__(self, *args):
         candidate = self.choose(*args)
         return self.variants[candidate.variant](*args, **candidate.kwargs)
@@ -276,7 +286,7 @@ class Selector:
         found = self._memo.get(key)
         if found is not None:
             return found
-        candidates = self.usable(device)
+        candidates = self.suiting(self.usable(device), args)
         cache = _disk_cache(dev)
         found = cache.get(self.cache_key, bucket)
         how = "cached"
@@ -322,7 +332,7 @@ class Selector:
         was dropped (it raised, or verify rejected its output)."""
         if candidates is None:
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
-            candidates = self.usable(device)
+            candidates = self.suiting(self.usable(device), args)
         report = {} if report is None else report
         best, best_ms = None, float("inf")
         reference, reference_candidate = None, None

@@ -4,9 +4,9 @@ context) and batch 64 (1k context).
 
 For each batch: wall time per step, GPU kernel time per step (the sum of the
 kernels' durations; wall minus that is time the GPU sat idle), the time per
-step of each kernel family (matrix products, attention, norms, ...), the
-bytes of weights read per step against the matrix products' time, and the
-kernels that take the most time.
+step of each kernel family (matrix products, attention, norms, experts, ...),
+the bytes of weights a token reads (a mixture of experts: its top-k) against the
+time of the kernels that read them, and the kernels that take the most time.
 
 Usage: python -m bench.gpu.decode_profile --out bench/results/decode_profile.json
            [--preset NAME]
@@ -38,6 +38,7 @@ FAMILIES = (  # first match wins; names are lower-cased
     ("silu_and_mul", ("silu",)),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),  # the CPU's operators
+    ("moe", ("moe", "grouped_topk", "align_block")),
     ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial")),
 )
 
@@ -83,7 +84,9 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
     for name, (ms, _) in by_name.items():
         families[family(name)] += ms
     kernel_ms = sum(families.values())
-    weight_bytes = engine.model_config.num_parameters() * 2
+    # the weights a token reads (a mixture of experts: its top-k), over the kernels reading them
+    weight_bytes = engine.model_config.active_parameters() * 2
+    weight_ms = families["matmul"] + families.get("moe", 0.0)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
     return {
         "batch": batch,
@@ -93,9 +96,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
         "idle_ms_per_step": wall_ms - kernel_ms,
         "kernels_per_step": sum(n for _, n in by_name.values()),
         "families_ms_per_step": dict(sorted(families.items(), key=lambda kv: -kv[1])),
-        "matmul_weight_gbps": weight_bytes / (families["matmul"] / 1e3) / 1e9
-        if families["matmul"]
-        else None,
+        "matmul_weight_gbps": weight_bytes / (weight_ms / 1e3) / 1e9 if weight_ms else None,
         "top_kernels": [
             {"name": n[:120], "ms_per_step": ms, "calls_per_step": c} for n, (ms, c) in top
         ],
@@ -122,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         llm = section.resource(make, LLM.close)
 
         def model() -> dict:
-            weight_bytes = llm().engine.model_config.num_parameters() * 2
+            config = llm().engine.model_config
+            # a mixture of experts reads its active weights a token (its top-k experts)
+            weight_bytes = config.active_parameters() * 2
             floor = weight_bytes / (copy["copy_gbps"] * 1e9) * 1e3
             return {"weight_bytes": weight_bytes, "floor_ms_per_step_batch1": floor}
 
@@ -143,7 +146,7 @@ def print_summary(results: dict) -> None:
               f"{r['kernel_ms_per_step']:.2f} ms ({r['kernels_per_step']:.0f} launches), idle "
               f"{r['idle_ms_per_step']:.2f} ms; {fam}; matmuls read weights at "
               f"{r['matmul_weight_gbps'] or 0:.0f} GB/s")  # fmt: skip
-        for k in r["top_kernels"][:6]:
+        for k in r["top_kernels"][:12]:
             print(f"   {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f}  {k['name'][:90]}")
 
 

@@ -78,7 +78,7 @@ def candidates(sizes: dict, ceilings: dict, device: str) -> list[dict]:
         for batch, context in sizes["cases"]:
             case = Case(batch, context, heads, sizes, device)
             read_ms = read_pass_ms(case.cache, device)
-            for candidate in found:
+            for candidate in selector.suiting(found, case.args):
                 label = {"variant": candidate.variant, "config": candidate.kwargs}
                 try:
                     error, ms = case.run(selector, candidate)

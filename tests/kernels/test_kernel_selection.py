@@ -280,6 +280,35 @@ def test_unsupported_variants_are_neither_tuned_nor_chosen(fresh_cache):
     assert sel.choose(torch.ones(3)) == Candidate("portable") and not calls
 
 
+def test_configs_that_do_not_suit_the_inputs_are_neither_tuned_nor_chosen(fresh_cache):
+    timed: list = []
+
+    def tiled(x, tile):
+        timed.append(tile)
+        return x * 1
+
+    def timer(fn):
+        fn()
+        return 1.0 / timed[-1]  # wider tiles time faster: the widest that suits wins
+
+    sel = Selector(
+        "tiles", {"tiled": tiled}, {"tiled": [{"tile": 1}, {"tile": 4}, {"tile": 8}]},
+        bucket=lambda x: (x.shape[0],), timer=timer, tune_on_cpu=True,
+        applies=lambda config, x: config["tile"] <= x.shape[0],
+    )  # fmt: skip
+    assert sel.choose(torch.ones(5)) == Candidate("tiled", (("tile", 4),))
+    assert timed == [1, 4]  # the 8-wide tile was never run on 5 rows
+    assert sel.choose(torch.ones(9)) == Candidate("tiled", (("tile", 8),))
+    # a choice on disk that does not suit its bucket's inputs is tuned again
+    path = next(fresh_cache.glob("cpu__*.json"))
+    data = json.loads(path.read_text())
+    data["tiles"]["(2,)"] = {"variant": "tiled", "config": {"tile": 8}, "ms": 0.0}
+    path.write_text(json.dumps(data))
+    selection._CACHES.clear()
+    timed.clear()
+    assert sel.choose(torch.ones(2)) == Candidate("tiled", (("tile", 1),)) and timed == [1]
+
+
 def test_a_revision_makes_choices_on_disk_again(fresh_cache):
     make_selector([])(torch.ones(3))
     selection._CACHES.clear()
