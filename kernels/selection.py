@@ -213,8 +213,9 @@ class Selector:
     output of the first candidate that ran (see selection_verify.close_outputs) and drops those that
     disagree or raise. applies: callable(config, *args) -> bool, the configs that suit these
     inputs (one the shape would turn into another's duplicate is never tuned nor chosen for
-    them; the first config must suit every input). revision: bumped when the candidates change enough that choices
-    already on disk should be made again (it is part of the on-disk key).
+    them; the first config must suit every input). revision: bumped when the candidates
+    change enough that choices already on disk should be made again (it is part of the
+    on-disk key).
     """
 
     def __init__(
