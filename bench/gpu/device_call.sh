@@ -2,8 +2,8 @@
 # One call on a lent GPU machine: installs the mesh's wheels (.whl, made by
 # ../shared/tools/gpu-wheels.sh and carried), restores the kernel caches (.kcache.tgz,
 # carried, if any), runs each `module args...` given as one quoted argument with
-# its output under $OUT, then brings the kernel caches (compiled kernels only) and the
-# meshes' logs back.
+# its output under $OUT, then brings the kernel caches (compiled kernels only, in parts)
+# and the meshes' logs back.
 #   bash bench/gpu/device_call.sh 480 "bench.gpu.kvstore --skip workload --out \$OUT/kvstore.json"
 # The first argument is the seconds all runs may take together (the call's limit
 # less the packing at the end).
@@ -31,9 +31,12 @@ done
 # intermediate IRs and sources are most of the bytes, and Triton skips a group's missing files)
 find .kcache -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
   -o -name '*.source' \) -delete
-tar czf "$OUT/kcache.tgz" .kcache
-# the kernel choices alone too (a few kB): they come back even when the whole cache is
-# over the size a call may return
+# in parts of 15 MB (a call returns files of 16 MiB at most): `cat kcache.tgz.* > .kcache.tgz`
+rm -f "$OUT"/kcache.tgz.*
+tar czf - .kcache | split -b 15000000 -d - "$OUT/kcache.tgz."
+# the kernel choices alone too (a few kB), for kernels/tuned
 [ -d .kcache/select ] && tar czf "$OUT/kchoices.tgz" .kcache/select
-tar czf "$OUT/meshlogs.tgz" --exclude='yinian-redis-*' /tmp/yinian-*/ 2>/dev/null
+# a call returns 8 files at most: the meshes' logs only where a mesh ran
+ls -d /tmp/yinian-*/ >/dev/null 2>&1 &&
+  tar czf "$OUT/meshlogs.tgz" --exclude='yinian-redis-*' /tmp/yinian-*/ 2>/dev/null
 ls -la "$OUT"

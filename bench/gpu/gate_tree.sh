@@ -25,6 +25,6 @@ links="ln -sfn \$PWD/yinian/models .gate_old/yinian/models; ln -sfn ../.whl .gat
 links="$links tar xzf .kcache.tgz 2>/dev/null; cp .kcache.tgz .gate_old/ 2>/dev/null;"
 pack="cd \$OUT && tar czf gate.tgz --remove-files gate_* meshlogs.tgz"  # few files come back
 echo "Two runs (carry [\".whl\", \".kcache.tgz\"], timeout 600; about 150 s a sweep with warm"
-echo "kernels; after the first, copy its kcache.tgz to .kcache.tgz):"
+echo "kernels; after the first, cat its kcache.tgz.* > .kcache.tgz):"
 echo "$links $(new 1); $(old 1); $pack"
 echo "$links $(old 2); $(new 2); $pack"
