@@ -180,6 +180,46 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr):
     tl.store(sorted_ptr + pos, offs, mask=valid)
 
 
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr, cursor_ptr, sorted_ptr, expert_ids_ptr, total_ptr, N, E, sorted_len, num_blocks,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+    FILL: tl.constexpr,
+):  # fmt: skip
+    # The three kernels below in one program, for the few pairs of a decode step: one
+    # launch instead of four (the counters need no zeroing: nothing is counted globally).
+    offs = tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, 0)
+    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < E
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(total_ptr, total)
+    tl.store(cursor_ptr + experts, ends - padded, mask=e_mask)
+    for first in range(0, sorted_len, FILL):
+        slots = first + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, N, mask=slots < sorted_len)
+    for first in range(0, num_blocks, BLOCK_B):
+        blocks = first + tl.arange(0, BLOCK_B)
+        start = blocks * BLOCK_M
+        passed = (ends[None, :] <= start[:, None]) & e_mask[None, :]
+        expert = tl.where(start < total, tl.sum(passed.to(tl.int32), axis=1), -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+    # The padding and the cursors are written before any pair is placed.
+    tl.debug_barrier()
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+
+
+# Up to this many (token, k) pairs one program aligns them all (decode steps: 170 tokens at
+# top-6); more take the three kernels, whose programs share the pairs.
+ONE_PROGRAM_PAIRS = 1024
+
+
 def align_bounds(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(padded length, number of blocks) upper bounds: at most min(E, pairs) experts pad."""
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
@@ -208,15 +248,24 @@ def moe_align(
     sorted_len, num_blocks = align_bounds(n, num_experts, block_m)
     sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    block_e = max(16, next_power_of_2(num_experts))
+    block_b = max(16, 4096 // block_e)
+    if n <= ONE_PROGRAM_PAIRS:
+        scratch = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+        cursor, total = scratch[:num_experts], scratch[-1:]
+        _align_one_program_kernel[(1,)](
+            topk_ids, cursor, sorted_ids, expert_ids, total, n, num_experts, sorted_len,
+            num_blocks, BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=block_e, BLOCK_M=block_m,
+            BLOCK_B=block_b, FILL=1024, num_warps=4,
+        )  # fmt: skip
+        return sorted_ids, expert_ids, total
     scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=device)
     counts, cursor, total = scratch[:num_experts], scratch[num_experts:-1], scratch[-1:]
-    block_e = max(16, next_power_of_2(num_experts))
     # Enough pairs per program to amortise the histogram over all experts.
     chunk = min(max(next_power_of_2(n), 16), 1024)
     grid = (triton.cdiv(max(sorted_len, n), chunk),)
     _count_kernel[grid](topk_ids, counts, sorted_ids, n, num_experts, sorted_len,
                         CHUNK=chunk, BLOCK_E=block_e, num_warps=4)  # fmt: skip
-    block_b = max(16, 4096 // block_e)
     _scan_kernel[(triton.cdiv(num_blocks, block_b),)](
         counts, cursor, expert_ids, total, num_experts, num_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4,

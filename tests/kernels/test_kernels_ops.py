@@ -19,7 +19,7 @@ import torch
 from kernels import reference
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
-from kernels.moe_routing import moe_align, moe_route
+from kernels.moe_routing import ONE_PROGRAM_PAIRS, moe_align, moe_route
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rotary_cache_write
 
@@ -197,9 +197,16 @@ def test_moe_route(tokens, experts, top_k, renormalize, dtype):
         assert all(len(set(row)) == top_k for row in ids.tolist())
 
 
-@pytest.mark.parametrize(
-    "tokens,top_k,experts,block_m", [(1, 2, 8, 16), (33, 2, 5, 4), (17, 8, 60, 16)]
-)
+# one program aligns up to ONE_PROGRAM_PAIRS pairs; the last case takes three kernels
+ALIGN_CASES = [(1, 2, 8, 16), (33, 2, 5, 4), (17, 8, 60, 16), (171, 6, 64, 16)]
+
+
+def test_moe_align_cases_take_both_paths():
+    pairs = [tokens * top_k for tokens, top_k, _, _ in ALIGN_CASES]
+    assert max(p for p in pairs if p <= ONE_PROGRAM_PAIRS) and max(pairs) > ONE_PROGRAM_PAIRS
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", ALIGN_CASES)
 def test_moe_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
     ids = randint(0, experts, (tokens, top_k), seed=tokens).to(torch.int32)
     sorted_ids, expert_ids, total = moe_align(ids, experts, block_m)
