@@ -96,7 +96,11 @@ class MLAttention(nn.Module):
         # are read back through strides, never copied to [T, H, .].
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         latent_out = backend.mla_decode(q_latent, q_pe, cache, meta, self.scale)
-        return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        # Written through strides straight into [T, H, v], which o_proj reads as [T, H * v]
+        # (cuBLAS takes the row stride H * v): no copy to that layout after.
+        out = latent_out.new_empty(latent_out.shape[0], self.num_heads, self.v_dim)
+        torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _expand(self, latent: torch.Tensor, k_pe: torch.Tensor):
         """Per-head keys [N, H, nope + rope] and values [N, H, v] of N tokens' latents."""
