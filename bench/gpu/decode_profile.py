@@ -116,9 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         def make() -> LLM:
             folder, load_format = preset_folder(section.tmp, preset)
+            # No prefill warm-up: only decode steps are profiled (the graph capture tunes them).
             return LLM(folder, dtype="bfloat16", device=section.device, load_format=load_format,
                        kernels="auto" if section.cuda else "torch", max_num_seqs=64,
-                       max_num_batched_tokens=8192, max_model_len=4096)  # fmt: skip
+                       max_num_batched_tokens=8192, max_model_len=4096,
+                       warmup=False)  # fmt: skip
 
         llm = section.resource(make, LLM.close)
 
