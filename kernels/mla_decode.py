@@ -158,39 +158,34 @@ def split_kv_mla_decode(
 # The first is the CPU default.
 MLA_DECODE_CONFIGS = [
     dict(block_h=16, block_n=16, num_warps=4, num_stages=2, programs_per_sm=4),
-    dict(block_h=16, block_n=16, num_warps=4, num_stages=3, programs_per_sm=8),
-    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, programs_per_sm=4),
-    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, programs_per_sm=8),
-    dict(block_h=16, block_n=16, num_warps=8, num_stages=2, programs_per_sm=8),
-    dict(block_h=16, block_n=16, num_warps=8, num_stages=3, programs_per_sm=16),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=4),
-    dict(block_h=16, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2),
-    dict(block_h=32, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2),
-    dict(block_h=32, block_n=32, num_warps=8, num_stages=2, programs_per_sm=4),
-    dict(block_h=32, block_n=16, num_warps=8, num_stages=3, programs_per_sm=4),
-    dict(block_h=64, block_n=16, num_warps=8, num_stages=3, programs_per_sm=1),
-    dict(block_h=64, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2),
-    dict(block_h=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1),
-    # at 16 heads on an H100 (bench/results/mla_sweep_s71a.json) 32-token tiles on 4 warps
-    # read fastest, and with fewer splits than 4 programs an SM asks for (4 at B 64 x 4k:
-    # 0.80 of the copy bandwidth against 0.75 at 8): the same with 2, and deeper pipelines
+    # At 16 heads on an H100 (bench/results/mla_sweep_s71a-c.json) 32-token tiles on 4 warps
+    # read fastest, with fewer splits than 4 programs an SM asks for (4 at B 64 x 4k: 0.80
+    # of the copy bandwidth against 0.75 at 8), and 64-token tiles on 8 warps came within 2%
     dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
     dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
-    dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=4),
     dict(block_h=16, block_n=32, num_warps=4, num_stages=4, programs_per_sm=2),
-    dict(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
-    dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1),
-    # at 128 heads (bench/results/mla_sweep_s71a.json) longer tiles ran faster (64 heads on
-    # 8 warps: 103, 157, 208 TFLOP/s at 16, 32, 64 tokens): each tile's query reads and
-    # rescaling of the [64, 512] accumulator then serve more tokens. Longer still, and 16
-    # warps (4 warpgroups: a quarter of the accumulator each, no spills), and all 128
-    # heads in one program (each tile read once)
+    dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=4),
+    dict(block_h=16, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2),
+    dict(block_h=16, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1),
+    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2),
+    # At 128 heads longer tiles ran faster (64 heads on 8 warps: 103, 157, 208 TFLOP/s at
+    # 16, 32, 64 tokens): each tile's query reads and rescaling of the [64, 512]
+    # accumulator then serve more tokens. Longer still, 16 warps (4 warpgroups: a quarter
+    # of the accumulator each, no spills), and all 128 heads in one program (each tile
+    # read once) are the untried ones
+    dict(block_h=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1),
     dict(block_h=64, block_n=128, num_warps=8, num_stages=1, programs_per_sm=1),
     dict(block_h=64, block_n=64, num_warps=16, num_stages=2, programs_per_sm=1),
     dict(block_h=64, block_n=128, num_warps=16, num_stages=1, programs_per_sm=1),
     dict(block_h=128, block_n=32, num_warps=16, num_stages=2, programs_per_sm=1),
     dict(block_h=128, block_n=64, num_warps=16, num_stages=1, programs_per_sm=1),
 ]
+# Dropped after those sweeps, never within 6% of the fastest at any case there (a wider
+# head block at 16 heads counted as the 16-head config it launches): 16-token tiles (but
+# the first, the CPU default), 8 warps on 16-token tiles or at 4 and 8 programs an SM,
+# 32-token tiles on 4 warps at 3 stages and 4 programs an SM, 64-token tiles on 4 warps,
+# 32 and 64-head blocks on 16 and 32-token tiles. 20 configs became 14, and those a shape
+# compiles and times when first met 14 to 8 at 16 heads or fewer.
 # Measured slower at 16 heads and dropped (bench/results/mla_sweep_s71a.json, _s71c.json): TMA
 # copies of one page a tile (0.62 of the copy bandwidth at best), a register cap so 3 or 4
 # programs fit an SM (0.50-0.58), the splits merged in the same launch by the last to

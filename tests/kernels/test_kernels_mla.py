@@ -77,6 +77,19 @@ def test_decode_does_not_depend_on_splits_and_pads_with_zeros():
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_tunes_only_head_blocks_its_heads_need():
+    """A head block wider than the heads would launch as a narrower config: never timed."""
+    from kernels.mla_decode import SELECTOR
+
+    for heads, widest in ((3, 16), (16, 16), (40, 64), (128, 128)):
+        inputs = decode_inputs([5], heads, 16, 8, 4, torch.float32)
+        suiting = SELECTOR.suiting(SELECTOR.candidates, (*inputs, SCALE, 5, None))
+        blocks = {c.kwargs["block_h"] for c in suiting}
+        assert max(blocks) == widest and suiting[0] == SELECTOR.candidates[0]
+        wider = [c for c in SELECTOR.candidates if c.kwargs["block_h"] > widest]
+        assert len(suiting) + len(wider) == len(SELECTOR.candidates)
+
+
 def test_decode_rejects_bad_inputs():
     q_latent, q_pe, cache, tables, lens = decode_inputs([3, 9], 2, 16, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="cache must be"):
