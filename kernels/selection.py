@@ -273,7 +273,10 @@ class Selector:
         """The candidates whose config suits these inputs (see `applies`)."""
         if self.applies is None:
             return candidates
-        return [c for c in candidates if self.applies(c.kwargs, *args)]
+        suiting = [c for c in candidates if self.applies(c.kwargs, *args)]
+        if not suiting or suiting[0] != candidates[0]:  # the default and verify's reference
+            raise ValueError(f"kernel {self.op}: its first config must suit every input")
+        return suiting
 
     def __call__(self, *args):
         candidate = self.choose(*args)

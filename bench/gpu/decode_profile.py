@@ -38,7 +38,21 @@ FAMILIES = (  # first match wins; names are lower-cased
     ("silu_and_mul", ("silu",)),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),  # the CPU's operators
-    ("moe", ("moe", "grouped_topk", "align_block")),
+    # the experts' kernels (kernels/fused_moe.py, moe_routing.py, grouped_topk.py)
+    (
+        "moe",
+        (
+            "_gate_up_kernel",
+            "_down_kernel",
+            "_route_kernel",
+            "_count_kernel",
+            "_scan_kernel",
+            "_scatter_kernel",
+            "_align_one_program",
+            "grouped_topk",
+            "moe",
+        ),
+    ),
     ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial")),
 )
 
@@ -84,7 +98,8 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
     for name, (ms, _) in by_name.items():
         families[family(name)] += ms
     kernel_ms = sum(families.values())
-    # the weights a token reads (a mixture of experts: its top-k), over the kernels reading them
+    # the weights a token reads (a mixture of experts: its top-k; a batch reads more of them,
+    # so there this understates), over the kernels reading them
     weight_bytes = engine.model_config.active_parameters() * 2
     weight_ms = families["matmul"] + families.get("moe", 0.0)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]

@@ -32,6 +32,7 @@ done
 find .kcache -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
   -o -name '*.source' \) -delete
 # in parts of 15 MB (a call returns files of 16 MiB at most): `cat kcache.tgz.* > .kcache.tgz`
+# then `gzip -t .kcache.tgz` (a part left out of the 8 files a call returns truncates it)
 rm -f "$OUT"/kcache.tgz.*
 tar czf - .kcache | split -b 15000000 -d - "$OUT/kcache.tgz."
 # the kernel choices alone too (a few kB), for kernels/tuned

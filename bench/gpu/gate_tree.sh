@@ -23,7 +23,7 @@ old() { echo "(cd .gate_old && bash bench/gpu/device_call.sh 250 \"$sweep --out 
 links="ln -sfn \$PWD/yinian/models .gate_old/yinian/models; ln -sfn ../.whl .gate_old/.whl;"
 # both trees start from the carried kernels (their cache entries name this tree's paths)
 links="$links tar xzf .kcache.tgz 2>/dev/null; cp .kcache.tgz .gate_old/ 2>/dev/null;"
-pack="cd \$OUT && tar czf gate.tgz --remove-files gate_* meshlogs.tgz"  # few files come back
+pack="cd \$OUT && tar czf gate.tgz --remove-files gate_* \$(ls meshlogs.tgz 2>/dev/null)"  # few files come back
 echo "Two runs (carry [\".whl\", \".kcache.tgz\"], timeout 600; about 150 s a sweep with warm"
 echo "kernels; after the first, cat its kcache.tgz.* > .kcache.tgz):"
 echo "$links $(new 1); $(old 1); $pack"

@@ -16,10 +16,10 @@ import math
 import pytest
 import torch
 
-from kernels import reference
+from kernels import moe_routing, reference
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
-from kernels.moe_routing import ONE_PROGRAM_PAIRS, moe_align, moe_route
+from kernels.moe_routing import moe_align, moe_route
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rotary_cache_write
 
@@ -197,21 +197,21 @@ def test_moe_route(tokens, experts, top_k, renormalize, dtype):
         assert all(len(set(row)) == top_k for row in ids.tolist())
 
 
-# one program aligns up to ONE_PROGRAM_PAIRS pairs; the last case takes three kernels
-ALIGN_CASES = [(1, 2, 8, 16), (33, 2, 5, 4), (17, 8, 60, 16), (171, 6, 64, 16)]
-
-
-def test_moe_align_cases_take_both_paths():
-    pairs = [tokens * top_k for tokens, top_k, _, _ in ALIGN_CASES]
-    assert max(p for p in pairs if p <= ONE_PROGRAM_PAIRS) and max(pairs) > ONE_PROGRAM_PAIRS
-
-
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", ALIGN_CASES)
-def test_moe_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
+@pytest.mark.parametrize("one_program", [True, False], ids=["one program", "three kernels"])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m", [(1, 2, 8, 16), (33, 2, 5, 4), (17, 8, 60, 16), (0, 2, 8, 16)]
+)
+def test_moe_align_groups_pairs_by_expert(tokens, top_k, experts, block_m, one_program,
+                                          monkeypatch):  # fmt: skip
+    # up to ONE_PROGRAM_PAIRS pairs one program aligns them, more take three kernels
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_PAIRS", 1 << 20 if one_program else -1)
     ids = randint(0, experts, (tokens, top_k), seed=tokens).to(torch.int32)
+    if tokens:  # ids out of range are dropped
+        ids[0, 0], ids[-1, -1] = -1, experts
     sorted_ids, expert_ids, total = moe_align(ids, experts, block_m)
     n = tokens * top_k
-    counts = torch.bincount(ids.flatten().long(), minlength=experts)
+    kept = ids.flatten().long()
+    counts = torch.bincount(kept[(kept >= 0) & (kept < experts)], minlength=experts)
     padded = (counts + block_m - 1) // block_m * block_m
     assert total.item() == padded.sum().item()
     start = 0
@@ -223,6 +223,7 @@ def test_moe_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
         assert (expert_ids[start // block_m : (start + padded[e]) // block_m] == e).all()
         start += padded[e].item()
     assert (expert_ids[start // block_m :] == -1).all()
+    assert (sorted_ids[start:] == n).all()  # the unused tail is padding too
 
 
 MOE_CASES = [
