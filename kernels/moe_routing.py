@@ -131,6 +131,37 @@ def moe_route(
 
 
 @triton.jit
+def _pair_ids(ids_ptr, offs, N, E):
+    """The pairs' expert ids (0 where out of range) and which are in range."""
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)
+    return tl.where(valid, ids, 0), valid
+
+
+@triton.jit
+def _padded_runs(counts, BLOCK_M: tl.constexpr):
+    """Each expert's run padded to whole blocks: (padded, ends, total)."""
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    return padded, tl.cumsum(padded, axis=0), tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _store_block_experts(expert_ids_ptr, blocks, ends, e_mask, total, num_blocks,
+                         BLOCK_M: tl.constexpr):  # fmt: skip
+    start = blocks * BLOCK_M
+    # A block belongs to the expert whose padded run contains its first row.
+    passed = (ends[None, :] <= start[:, None]) & e_mask[None, :]
+    expert = tl.where(start < total, tl.sum(passed.to(tl.int32), axis=1), -1)
+    tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _place_pairs(ids, valid, offs, cursor_ptr, sorted_ptr):
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+
+
+@triton.jit
 def _count_kernel(
     ids_ptr, counts_ptr, sorted_ptr, N, E, sorted_len,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -138,9 +169,7 @@ def _count_kernel(
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     # Every slot starts as padding; the scatter overwrites the real ones.
     tl.store(sorted_ptr + offs, N, mask=offs < sorted_len)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
-    valid = (offs < N) & (ids >= 0) & (ids < E)
-    ids = tl.where(valid, ids, 0)
+    ids, valid = _pair_ids(ids_ptr, offs, N, E)
     # A per-chunk histogram in shared memory, then one global atomic per expert.
     hist = tl.histogram(ids, BLOCK_E, mask=valid)
     experts = tl.arange(0, BLOCK_E)
@@ -156,28 +185,19 @@ def _scan_kernel(
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E
     counts = tl.load(counts_ptr + experts, mask=e_mask, other=0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
+    padded, ends, total = _padded_runs(counts, BLOCK_M)
     if tl.program_id(0) == 0:
         tl.store(cursor_ptr + experts, ends - padded, mask=e_mask)
         tl.store(total_ptr, total)
     blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    start = blocks * BLOCK_M
-    # A block belongs to the expert whose padded run contains its first row.
-    passed = (ends[None, :] <= start[:, None]) & e_mask[None, :]
-    expert = tl.sum(passed.to(tl.int32), axis=1)
-    expert = tl.where(start < total, expert, -1)
-    tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+    _store_block_experts(expert_ids_ptr, blocks, ends, e_mask, total, num_blocks, BLOCK_M)
 
 
 @triton.jit
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
-    valid = (offs < N) & (ids >= 0) & (ids < E)
-    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
-    tl.store(sorted_ptr + pos, offs, mask=valid)
+    ids, valid = _pair_ids(ids_ptr, offs, N, E)
+    _place_pairs(ids, valid, offs, cursor_ptr, sorted_ptr)
 
 
 @triton.jit
@@ -186,18 +206,13 @@ def _align_one_program_kernel(
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
     FILL: tl.constexpr,
 ):  # fmt: skip
-    # The three kernels below in one program, for the few pairs of a decode step: one
+    # The three kernels above in one program, for the few pairs of a decode step: one
     # launch instead of four (the counters need no zeroing: nothing is counted globally).
     offs = tl.arange(0, BLOCK_N)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32)
-    valid = (offs < N) & (ids >= 0) & (ids < E)
-    ids = tl.where(valid, ids, 0)
-    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    ids, valid = _pair_ids(ids_ptr, offs, N, E)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
+    padded, ends, total = _padded_runs(tl.histogram(ids, BLOCK_E, mask=valid), BLOCK_M)
     tl.store(total_ptr, total)
     tl.store(cursor_ptr + experts, ends - padded, mask=e_mask)
     for first in range(0, sorted_len, FILL):
@@ -205,14 +220,10 @@ def _align_one_program_kernel(
         tl.store(sorted_ptr + slots, N, mask=slots < sorted_len)
     for first in range(0, num_blocks, BLOCK_B):
         blocks = first + tl.arange(0, BLOCK_B)
-        start = blocks * BLOCK_M
-        passed = (ends[None, :] <= start[:, None]) & e_mask[None, :]
-        expert = tl.where(start < total, tl.sum(passed.to(tl.int32), axis=1), -1)
-        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+        _store_block_experts(expert_ids_ptr, blocks, ends, e_mask, total, num_blocks, BLOCK_M)
     # The padding and the cursors are written before any pair is placed.
     tl.debug_barrier()
-    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid, sem="relaxed")
-    tl.store(sorted_ptr + pos, offs, mask=valid)
+    _place_pairs(ids, valid, offs, cursor_ptr, sorted_ptr)
 
 
 # Up to this many (token, k) pairs one program aligns them all (decode steps: 170 tokens at
