@@ -170,22 +170,19 @@ MLA_DECODE_CONFIGS = [
     dict(block_h=16, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2),
     # At 128 heads longer tiles ran faster (64 heads on 8 warps: 103, 157, 208 TFLOP/s at
     # 16, 32, 64 tokens): each tile's query reads and rescaling of the [64, 512]
-    # accumulator then serve more tokens. Longer still, 16 warps (4 warpgroups: a quarter
-    # of the accumulator each, no spills), and all 128 heads in one program (each tile
-    # read once) are the untried ones
+    # accumulator then serve more tokens.
     dict(block_h=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1),
-    dict(block_h=64, block_n=128, num_warps=8, num_stages=1, programs_per_sm=1),
-    dict(block_h=64, block_n=64, num_warps=16, num_stages=2, programs_per_sm=1),
-    dict(block_h=64, block_n=128, num_warps=16, num_stages=1, programs_per_sm=1),
-    dict(block_h=128, block_n=32, num_warps=16, num_stages=2, programs_per_sm=1),
-    dict(block_h=128, block_n=64, num_warps=16, num_stages=1, programs_per_sm=1),
 ]
-# Dropped after those sweeps, never within 6% of the fastest at any case there (a wider
+# Tried at 128 heads on an H100 and dropped (bench/results/mla_sweep_s73a.json): 128-token
+# tiles (159-169 TFLOP/s against 208-216 with 64), 16 warps (4 warpgroups, a quarter of the
+# accumulator each: 73-112), all 128 heads in one program (ptxas: 158 registers a thread
+# needed, 128 the most 16 warps can have).
+# Dropped after the s71 sweeps, never within 6% of the fastest at any case there (a wider
 # head block at 16 heads counted as the 16-head config it launches): 16-token tiles (but
 # the first, the CPU default), 8 warps on 16-token tiles or at 4 and 8 programs an SM,
 # 32-token tiles on 4 warps at 3 stages and 4 programs an SM, 64-token tiles on 4 warps,
-# 32 and 64-head blocks on 16 and 32-token tiles. 20 configs became 14, and those a shape
-# compiles and times when first met 14 to 8 at 16 heads or fewer.
+# 32 and 64-head blocks on 16 and 32-token tiles. 20 configs became 14 then, 9 now; a
+# shape first met compiles and times 8 of them at 16 heads or fewer, 9 at 128.
 # Measured slower at 16 heads and dropped (bench/results/mla_sweep_s71a.json, _s71c.json): TMA
 # copies of one page a tile (0.62 of the copy bandwidth at best), a register cap so 3 or 4
 # programs fit an SM (0.50-0.58), the splits merged in the same launch by the last to
