@@ -147,8 +147,10 @@ class Check:
         """Two torch references in bfloat16, the second with attention on float32 copies."""
         return _compare(*self.reference("bfloat16"), *self.reference("bfloat16", upcast=True))
 
-    def kernels(self, dtype: str) -> dict:
-        """The engine on its kernels (and CUDA graphs, on the GPU) against the reference."""
+    def kernels(self, dtype: str, against: str | None = None) -> dict:
+        """The engine on its kernels (and CUDA graphs, on the GPU) against the reference;
+        with `against` (a dtype), both also against the reference in that dtype, so the
+        kernels' distance from it reads beside the reference's own."""
         ref = self.reference(dtype)
         cuda = self.device == "cuda"
         fast = LLM(self.folder, dtype=dtype, kernels="auto" if cuda else "triton", **self.options)
@@ -156,7 +158,13 @@ class Check:
         if cuda and not graphs:
             fast.close()
             raise RuntimeError("CUDA graphs were not captured")
-        return _compare(*ref, *_run(fast, self.prompts, self.params)) | {"cuda_graphs": graphs}
+        got = _run(fast, self.prompts, self.params)
+        result = _compare(*ref, *got) | {"cuda_graphs": graphs}
+        if against is not None:
+            other = self.reference(against)
+            result[f"against_{against}"] = {"kernels": _compare(*other, *got),
+                                            "reference": _compare(*other, *ref)}  # fmt: skip
+        return result
 
 
 def main(argv: list[str] | None = None) -> dict:

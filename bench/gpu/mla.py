@@ -169,7 +169,9 @@ def engine_check(section: Sections, preset: str, dtype: str, sizes: dict) -> dic
 
     free_device_memory()
     check = Check(section, preset, sizes["check_lengths"], sizes["check_tokens"])
-    result = check.kernels(dtype)
+    # in 16 bits, also both against the float32 reference: how far the kernels part from
+    # it beside how far the 16-bit reference does
+    result = check.kernels(dtype, against=None if dtype == "float32" else "float32")
     if dtype == "float32":
         result["passed"] = result["passed"] and all(g["equal"] for g in result["greedy"])
     return result
@@ -220,6 +222,19 @@ def print_summary(results: dict) -> None:
             print(f"{name}: passed={entry['passed']} logits rel err "
                   f"{max(entry['prompt_logits_rel_error']):.1e}, logprob diff "
                   f"{entry['max_logprob_diff_before_divergence']:.1e}")  # fmt: skip
+            for dtype_name, pair in (entry.get("against_float32") or {}).items():
+                print(f"  {dtype_name} against the float32 reference: "
+                      f"{_agreement(pair)}")  # fmt: skip
+
+
+def _agreement(check: dict) -> str:
+    greedy = check["greedy"]
+    equal = sum(g["equal"] for g in greedy)
+    ties = sum(g["near_tie"] for g in greedy)
+    return (
+        f"greedy equal on {equal} of {len(greedy)} prompts ({ties} more part at a "
+        f"near-tie), prompt logits {max(check['prompt_logits_rel_error']):.1e} apart"
+    )
 
 
 if __name__ == "__main__":
