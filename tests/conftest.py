@@ -17,6 +17,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 import basis.grpc_fork  # noqa: E402, F401  (this process starts many children)
+from basis import preload_client  # noqa: E402
+
+# The meshes the tests start here run their services as forks of a starter that
+# imported them once (basis/preload_client.py): a worker's start costs ~0.1 s of CPU
+# instead of ~2.7 s (mostly importing torch), and the suite starts a few hundred. A
+# `yinian up` started as a child process launches its services as users see them.
+preload_client.enable()
 
 # Triton kernels run on the CPU through Triton's interpreter, which must be
 # chosen before any kernel module is imported.

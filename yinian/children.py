@@ -9,7 +9,6 @@ the child: start children from a thread that lives as long as they should.
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import subprocess
 import threading
@@ -18,22 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from basis import preload_client
+from basis.preload import die_with_parent
+
 
 class StartCancelled(Exception):
     """The operator stopped the launcher while children were starting."""
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | preload_client.ForkedProcess
     ready: threading.Event = field(default_factory=threading.Event)
     ready_line: str = ""
     log_path: Path | None = None
@@ -66,15 +61,18 @@ def launch(
     starts: int = 1,
     says_ready: Callable[[str], bool] | None = None,
 ) -> Child:
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        preexec_fn=_die_with_parent,
-        text=True,
-        start_new_session=True,
-    )
+    if preload_client.preloaded_module(command):
+        proc = preload_client.start(command, env)
+    else:
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent,
+            text=True,
+            start_new_session=True,
+        )
     child = Child(name, proc, log_path=log_path, command=command, env=env, starts=starts)
     if says_ready is not None:
         child.says_ready = says_ready

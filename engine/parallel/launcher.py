@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from basis import preload_client
+from basis.preload import die_with_parent
 from engine.parallel import state as parallel_state
 from engine.parallel import step_wire
 
@@ -31,12 +34,7 @@ def config_options(config) -> dict:
 
 def _die_with_parent() -> None:
     """A rank outlives no engine: SIGKILL when rank 0's process ends (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except OSError:
-        pass
+    die_with_parent(signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -58,12 +56,14 @@ class Followers:
                 visible = env.get("CUDA_VISIBLE_DEVICES", "")
                 ids = visible.split(",") if visible else [str(i) for i in range(tp * pp)]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[rank:] + ids[:rank])
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank),
-                 "--tp", str(tp), "--pp", str(pp), "--store", self.store,
-                 "--model", str(model_dir), "--options", json.dumps(options)],
-                env=env, start_new_session=True, preexec_fn=_die_with_parent,
-            ))  # fmt: skip
+            command = [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank),
+                       "--tp", str(tp), "--pp", str(pp), "--store", self.store,
+                       "--model", str(model_dir), "--options", json.dumps(options)]  # fmt: skip
+            if preload_client.preloaded_module(command):  # its output where ours goes
+                self.procs.append(preload_client.start(command, env, outputs=(1, 2)))
+            else:
+                self.procs.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                                   preexec_fn=_die_with_parent))  # fmt: skip
         parallel_state.initialize(tp, pp, 0, self.store, self.device)
         self.sender = step_wire.StepSender(tp * pp)
         self._stop = threading.Event()

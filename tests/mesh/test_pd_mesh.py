@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prompts import random_prompts
 
+from basis import preload_client
 from bench.otlp_receiver import OtlpReceiver
 from engine import LLM, SamplingParams
 from yinian.mesh import Mesh, MeshSpec
@@ -30,8 +31,13 @@ def pd(model_dir):
         scheduler_argv=["--disagg-min-tokens", "1"],
         gpus=["0", "1"],  # inert on CPU; checked as what each worker process was given
     )
-    with Mesh(spec) as mesh:
+    # each a fresh process: what each was given is read from its /proc environ below
+    with preload_client.preloading(False):
+        mesh = Mesh(spec).start()
+    try:
         yield mesh, receiver
+    finally:
+        mesh.stop()
     receiver.stop()
 
 
