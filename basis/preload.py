@@ -10,17 +10,22 @@ stderr, or the two); it answers
 {"id", "pid"} (or {"id", "error"}) and, when a service ends, {"exit": pid, "code":
 its exit status as subprocess reports it}. basis/preload_client.py is the other end.
 
-It stays single-threaded, so a fork copies no lock another thread holds. Each
-service runs as `python -m module` would: in a session of its own, dying with the
-starter (as the starter dies with its launcher), stdin from /dev/null, its output
-where it was sent, the environment and working directory it was given, its module run
-as `__main__`. When its launcher goes (the socket closes, or SIGTERM), the starter
-stops its services' groups and exits.
+Its Python runs on one thread, and only that thread forks, so a fork copies no
+lock another of its threads holds (libraries' own pools, such as OpenBLAS's, reset
+themselves in a fork). Each service runs as `python -m module` would: in a session
+of its own, dying with the starter (as the starter dies with its launcher), stdin
+from /dev/null, its output where it was sent, the environment and working
+directory it was given, its module run as `__main__`, its end an interpreter's
+(non-daemon threads joined, exit handlers run, an uncaught KeyboardInterrupt
+ending it by SIGINT). A request that fails (a fork the system refuses) is
+answered with an error; the others go on. When its launcher goes (the socket
+closes, or SIGTERM), the starter stops its services' groups and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import importlib
 import json
@@ -30,7 +35,7 @@ import selectors
 import signal
 import socket
 import sys
-import traceback
+import threading
 
 PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
@@ -51,12 +56,14 @@ def _stop(signum, frame):
     raise _Stop
 
 
-def _run_service(request: dict, outputs: list[int], keep_closed: list[int]) -> None:
+def _run_service(request: dict, outputs: list[int], keep_closed: list[int], starter: int) -> None:
     """In the forked child: becomes the service and never returns."""
-    code = 1
+    code, interrupted = 1, False
     try:
         os.setsid()
         die_with_parent()
+        if os.getppid() != starter:  # the starter went before the signal was asked for
+            os._exit(1)
         signal.set_wakeup_fd(-1)
         for fd in keep_closed:
             os.close(fd)
@@ -84,15 +91,33 @@ def _run_service(request: dict, outputs: list[int], keep_closed: list[int]) -> N
             code = exit_.code or 0
         else:
             print(exit_.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        _exit_as_python(code, interrupted)
+
+
+def _exit_as_python(code: int, interrupted: bool) -> None:
+    """What an interpreter does as it ends: joins non-daemon threads, runs the exit
+    handlers, flushes; then exits with `code`, or by SIGINT after an uncaught
+    KeyboardInterrupt."""
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
@@ -139,24 +164,38 @@ def serve(sock: socket.socket, modules: list[str]) -> None:
                 message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
                 if not message:
                     return  # the launcher is gone
-                request = json.loads(message)
-                if not fds:
-                    error = {"id": request.get("id"), "error": "no output attached"}
-                    sock.send(json.dumps(error).encode())
-                    continue
                 keep_closed = [sock.fileno(), wake_read, wake_write, selector.fileno()]
-                pid = os.fork()
-                if pid == 0:
-                    _run_service(request, fds, keep_closed)
-                for fd in fds:
-                    os.close(fd)
-                children.add(pid)
-                sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+                sock.send(json.dumps(_start(message, fds, keep_closed, children)).encode())
     except (_Stop, BrokenPipeError, ConnectionResetError):
         pass
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        _stop_all(children)
+        os._exit(1)
     finally:
         _stop_all(children)
         os._exit(0)  # no interpreter teardown (torch's is slow): nothing is left to do
+
+
+def _start(message: bytes, fds: list[int], keep_closed: list[int], children: set[int]) -> dict:
+    """Forks the service a request asks for; the answer to send back."""
+    ident = None
+    try:
+        request = json.loads(message)
+        ident = request["id"]
+        if not fds:
+            raise ValueError("no output attached")
+        starter = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _run_service(request, fds, keep_closed, starter)
+        children.add(pid)
+        return {"id": ident, "pid": pid}
+    except Exception as error:  # this request fails; the starter serves the others
+        return {"id": ident, "error": f"{type(error).__name__}: {error}"}
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

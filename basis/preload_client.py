@@ -23,14 +23,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 from basis.preload import MAX_MESSAGE, die_with_parent
 
 ENV = "YINIAN_PRELOAD"
 # each service module and the modules its starter imports first
-_TORCH = ("basis.grpc_fork", "services.decode.app", "services.prefill.app", "services.expert.app",
-          "engine.parallel.follower")  # fmt: skip
+# (a rank's module, engine.parallel.follower, is run as __main__ and so not imported
+# first: its imports are the decode worker's)
+_TORCH = ("basis.grpc_fork", "services.decode.app", "services.prefill.app", "services.expert.app")
 _LIGHT = ("basis.grpc_fork", "services.gateway.app", "services.scheduler.app",
           "services.kvstore.app")  # fmt: skip
 PRELOADS = {
@@ -42,9 +44,10 @@ PRELOADS = {
     "services.kvstore": _LIGHT,
     "engine.parallel.follower": _TORCH,  # a tensor or pipeline rank
 }
-# read only while a service runs, never as a module is imported: a starter serves
-# services whatever these are (pytest names the running test in PYTEST_CURRENT_TEST)
-_RUNTIME_PREFIXES = ("YINIAN_", "OTEL_", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "PYTEST_")
+# read only while a service runs, never as a module is imported or the interpreter
+# starts: a starter serves services whatever these are (pytest names the running test
+# in PYTEST_CURRENT_TEST)
+_RUNTIME_PREFIXES = ("YINIAN_", "OTEL_", "CUDA_VISIBLE_DEVICES", "PYTEST_")
 
 _starters: dict[tuple, Starter] = {}
 _lock = threading.Lock()
@@ -159,8 +162,7 @@ class Starter:
         started: Future = Future()
         # The starter dies with the thread that started it (the parent-death signal):
         # a thread as long-lived as this process starts it, then reads its answers.
-        command = [sys.executable, "-u", "-m", "basis.preload", "--fd", str(theirs.fileno()),
-                   *modules]  # fmt: skip
+        command = [sys.executable, "-m", "basis.preload", "--fd", str(theirs.fileno()), *modules]
         self._thread = threading.Thread(target=self._run, args=(command, env, theirs, started),
                                         name="preload-starter", daemon=True)  # fmt: skip
         self._thread.start()
@@ -181,6 +183,7 @@ class Starter:
     ) -> ForkedProcess:
         read, write = os.pipe() if outputs is None else (None, None)
         answer: Future = Future()
+        ident = None
         try:
             with self._send_lock:
                 if self._closed:
@@ -191,13 +194,17 @@ class Starter:
                 sent = [write] if outputs is None else list(outputs)
                 socket.send_fds(self._sock, [json.dumps(request).encode()], sent)
         except BaseException:
-            if read is not None:
+            with self._send_lock:  # the pipe is closed here unless another end took it
+                mine = ident is None or self._asked.pop(ident, None) is not None
+            if mine and read is not None:
                 os.close(read)
             raise
         finally:
             if write is not None:
                 os.close(write)
-        return answer.result(timeout=60)
+        # no timeout: the starter answers (after its imports, the first time) or exits,
+        # and its exit fails every request it has not answered
+        return answer.result()
 
     def _run(self, command, env, theirs, started: Future) -> None:
         try:
@@ -219,7 +226,10 @@ class Starter:
 
     def _read(self) -> None:
         while True:
-            message = self._sock.recv(MAX_MESSAGE)
+            try:
+                message = self._sock.recv(MAX_MESSAGE)
+            except OSError:  # reset: the starter is gone
+                return
             if not message:
                 return
             answer = json.loads(message)
@@ -242,7 +252,9 @@ class Starter:
             future.set_result(forked)
 
     def _close(self) -> None:
-        """The starter is gone: its services went with it (their parent-death signal)."""
+        """The starter is gone (or this end failed: then it is told to go). Its services
+        go with it (their parent-death signal, a SIGTERM): each is reported ended, as
+        killed by that signal, once its process is gone."""
         with self._send_lock:
             self._closed = True
             asked, self._asked = self._asked, {}
@@ -250,7 +262,21 @@ class Starter:
             if read is not None:
                 os.close(read)
             future.set_exception(RuntimeError("the preloaded starter exited"))
+        self._sock.close()
         self.proc.wait()
-        for forked in list(self._forked.values()):
-            forked._exited(-signal.SIGTERM)
+        left = list(self._forked.values())
         self._forked.clear()
+        while left:
+            for forked in [f for f in left if not _running(f.pid)]:
+                forked._exited(-signal.SIGTERM)
+                left.remove(forked)
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process (not yet reaped by whoever adopted it) still runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(") ")[2][:1] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -5,6 +5,8 @@ waited for (a start-up that an operator cancels ends at once).
 Children die with the launcher (Linux parent-death signal), so even a killed
 launcher leaves no process behind. The signal follows the thread that started
 the child: start children from a thread that lives as long as they should.
+Services a preloaded starter forks (basis/preload_client.py, where turned on) die
+with the starter, and the starter with the launcher process.
 """
 
 from __future__ import annotations

@@ -27,6 +27,14 @@ PROBE = textwrap.dedent("""
     if sys.argv[1] == "wait":
         print("waiting", flush=True)
         time.sleep(120)
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
+    if sys.argv[1] == "ending":
+        import atexit, threading
+        atexit.register(lambda: print("exit handler", flush=True))
+        late = lambda: (time.sleep(0.3), print("thread joined", flush=True))
+        threading.Thread(target=late).start()
+        sys.exit(0)
     sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
 """)
 
@@ -82,6 +90,23 @@ def test_a_message_exit_and_a_crash_end_as_in_a_fresh_python(starter):
     crashed = starter.spawn(["no_such_service_module"], _env())
     assert "No module named no_such_service_module" in crashed.stdout.read()
     assert crashed.wait(timeout=10) == 1
+
+
+def test_a_service_ends_as_an_interpreter_does(starter):
+    ending = starter.spawn(["probe_service", "ending"], _env())
+    assert ending.stdout.read().splitlines()[-2:] == ["thread joined", "exit handler"]
+    assert ending.wait(timeout=10) == 0
+    interrupted = starter.spawn(["probe_service", "interrupt"], _env())
+    assert "KeyboardInterrupt" in interrupted.stdout.read()
+    assert interrupted.wait(timeout=10) == -signal.SIGINT
+
+
+def test_a_request_that_fails_is_refused_and_the_starter_serves_on(starter):
+    with pytest.raises(RuntimeError, match="no output attached"):
+        starter.spawn(["probe_service", "0"], _env(), outputs=())
+    proc = starter.spawn(["probe_service", "5"], _env())
+    proc.stdout.read()
+    assert proc.wait(timeout=10) == 5
 
 
 def test_signals_reach_the_service_and_its_status_says_so(starter):
