@@ -24,6 +24,7 @@ SCRIPTS = (
     "serving",
     "mla",
     "mla_sweep",
+    "skinny_gemm",
     "kvstore",
     "kv_serving",
     "host_writes",
