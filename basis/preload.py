@@ -153,7 +153,7 @@ def serve(sock: socket.socket, modules: list[str]) -> None:
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
     children: set[int] = set()
-    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    status = 0
     try:
         while True:
             for key, _ in selector.select():
@@ -170,11 +170,10 @@ def serve(sock: socket.socket, modules: list[str]) -> None:
         pass
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        _stop_all(children)
-        os._exit(1)
+        status = 1
     finally:
         _stop_all(children)
-        os._exit(0)  # no interpreter teardown (torch's is slow): nothing is left to do
+        os._exit(status)  # no interpreter teardown (torch's is slow): nothing is left to do
 
 
 def _start(message: bytes, fds: list[int], keep_closed: list[int], children: set[int]) -> dict:

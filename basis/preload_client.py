@@ -238,8 +238,6 @@ class Starter:
                 if forked is not None:
                     forked._exited(answer["code"])
                 continue
-            if "ready" in answer:
-                continue
             future, argv, read = self._asked.pop(answer["id"])
             if "error" in answer:
                 if read is not None:

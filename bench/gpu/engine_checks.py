@@ -138,10 +138,16 @@ class Check:
         self.prompts = prompts_for(name, lengths, vocab)
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
                                      logprobs=5)  # fmt: skip
+        self._references: dict[tuple[str, bool], tuple] = {}
 
     def reference(self, dtype: str, upcast: bool = False):
-        llm = LLM(self.folder, dtype=dtype, kernels="torch", enforce_eager=True, **self.options)
-        return _run(llm, self.prompts, self.params, upcast)
+        """The torch reference's prompt logits and greedy outputs, run once per dtype (and
+        upcast) however many comparisons read them (the references are deterministic)."""
+        if (dtype, upcast) not in self._references:
+            llm = LLM(self.folder, dtype=dtype, kernels="torch", enforce_eager=True,
+                      **self.options)  # fmt: skip
+            self._references[dtype, upcast] = _run(llm, self.prompts, self.params, upcast)
+        return self._references[dtype, upcast]
 
     def spread(self) -> dict:
         """Two torch references in bfloat16, the second with attention on float32 copies."""

@@ -160,15 +160,13 @@ def v2_lite_decode(sizes: dict, ceilings: dict, device: str, root: Path) -> dict
     }
 
 
-def engine_check(section: Sections, preset: str, dtype: str, sizes: dict) -> dict:
+def engine_check(section: Sections, check, dtype: str) -> dict:
     """The engine on its Triton kernels (and CUDA graphs on the GPU) against the same
-    engine on its torch references (bench.gpu.engine_checks): prompt logits (expanded
-    form) within bf16 tolerance, greedy tokens (decode: absorbed form) equal up to a
-    near-tie; in float32 every greedy token equal."""
-    from bench.gpu.engine_checks import Check
-
+    engine on its torch references (bench.gpu.engine_checks.Check, one a preset, so its
+    float32 reference runs once for both dtypes): prompt logits (expanded form) within
+    bf16 tolerance, greedy tokens (decode: absorbed form) equal up to a near-tie; in
+    float32 every greedy token equal."""
     free_device_memory()
-    check = Check(section, preset, sizes["check_lengths"], sizes["check_tokens"])
     # in 16 bits, also both against the float32 reference: how far the kernels part from
     # it beside how far the 16-bit reference does
     result = check.kernels(dtype, against=None if dtype == "float32" else "float32")
@@ -187,11 +185,21 @@ def main(argv: list[str] | None = None) -> dict:
         section("decode_kernel", lambda: decode_kernel(sizes, ceilings, args.device))
         section("v2_lite_decode", lambda: v2_lite_decode(sizes, ceilings, args.device,
                                                          section.tmp))  # fmt: skip
+        from bench.gpu.engine_checks import Check
+
+        checks: dict = {}  # one a preset, made by its first section that runs
+
+        def check_of(preset: str):
+            if preset not in checks:
+                checks[preset] = Check(section, preset, sizes["check_lengths"],
+                                       sizes["check_tokens"])  # fmt: skip
+            return checks[preset]
+
         for preset in CHECKED:
             for dtype in ("float32", "bfloat16"):
                 section(
                     f"engine/{preset}/{dtype}",
-                    lambda p=preset, d=dtype: engine_check(section, p, d, sizes),
+                    lambda p=preset, d=dtype: engine_check(section, check_of(p), d),
                     # The interpreter's bf16 dots are not the GPU's: bf16 checks are GPU-only.
                     needs="bfloat16 Triton kernels" if dtype == "bfloat16" else None,
                 )
