@@ -21,6 +21,8 @@ from kernels import ops
 class ExpertBackend:
     # Whether a CUDA graph may capture dispatch and combine.
     graph_safe = True
+    # Whether dispatch adds the pairs to moe.expert_load itself (else the layer does).
+    counts_load = False
 
     def begin_step(self) -> None:
         """A step starts: nothing of the last one is in flight (a placement may change)."""
@@ -39,10 +41,13 @@ class ExpertBackend:
 
 
 class LocalExperts(ExpertBackend):
-    """Today's path: every routed expert in this process, one fused MoE call."""
+    """Today's path: every routed expert in this process, one fused MoE call (which also
+    counts the experts' load, inside its kernels)."""
+
+    counts_load = True
 
     def dispatch(self, moe, hidden, topk_weights, topk_ids):
-        return ops.fused_moe(hidden, moe.w13, moe.w2, topk_weights, topk_ids)
+        return ops.fused_moe(hidden, moe.w13, moe.w2, topk_weights, topk_ids, moe.expert_load)
 
     def combine(self, handle) -> torch.Tensor:
         return handle

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_routing import INDEX_DTYPES, moe_align
+from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows
+from kernels.moe_routing import INDEX_DTYPES, check_load, moe_align
 from kernels.selection import Selector, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -130,7 +131,7 @@ def _down_kernel(
 
 
 def _launch(
-    x, w13, w2, topk_weights, topk_ids, *,
+    x, w13, w2, topk_weights, topk_ids, load=None, *,
     block_m, group_m, block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
 ):  # fmt: skip
     tokens, hidden = x.shape
@@ -139,7 +140,7 @@ def _launch(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
-    sorted_ids, expert_ids, _ = moe_align(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids, _ = moe_align(topk_ids, num_experts, block_m, load)
     num_blocks = expert_ids.shape[0]
     act = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -192,14 +193,34 @@ _CONFIGS = [
 ]
 
 
-def _bucket(x, w13, w2, topk_weights, topk_ids):
+def _bucket(x, w13, w2, topk_weights, topk_ids, load=None):
     return (
         min(next_power_of_2(x.shape[0]), 1 << 16), x.shape[1], w2.shape[2], w2.shape[0],
         topk_ids.shape[1], str(x.dtype),
     )  # fmt: skip
 
 
-_selector = Selector("fused_moe", {"grouped": _launch}, {"grouped": _CONFIGS}, _bucket)
+def _applies(config, x, *rest) -> bool:
+    """The per-pair kernels are tried for a few tokens only (a bucket holds up to a power
+    of two of them)."""
+    return "block_m" in config or next_power_of_2(x.shape[0]) <= ROWS_MAX_TOKENS
+
+
+def _tune_args(args: tuple) -> tuple:
+    """Tuning runs every candidate: they count into a scratch load, not the experts' own."""
+    *inputs, load = args
+    return (*inputs, None if load is None else torch.zeros_like(load))
+
+
+_selector = Selector(
+    "fused_moe",
+    {"grouped": _launch, "rows": fused_moe_rows},
+    {"grouped": _CONFIGS, "rows": ROWS_CONFIGS},
+    _bucket,
+    applies=_applies,
+    tune_args=_tune_args,
+    revision="s74",  # the per-pair kernels are new candidates for a few tokens
+)
 
 
 def fused_moe(
@@ -208,11 +229,14 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) -> [T, H] in x's dtype.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights float
     [T, k]; topk_ids int32 or int64 [T, k], each in [0, E) (not checked: a host sync).
+    load, if given (int64 [E], contiguous), gets each expert's number of pairs added (the
+    counters expert balancing reads), inside the kernels.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T, H], w13 [E, 2I, H], w2 [E, H, I], got "
@@ -239,4 +263,5 @@ def fused_moe(
                     ("topk_ids", topk_ids)):  # fmt: skip
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    return _selector(x, w13, w2, topk_weights, topk_ids)
+    check_load(load, experts, x.device)
+    return _selector(x, w13, w2, topk_weights, topk_ids, load)

@@ -162,9 +162,17 @@ def _place_pairs(ids, valid, offs, cursor_ptr, sorted_ptr):
 
 
 @triton.jit
+def _add_load(load_ptr, hist, experts, e_mask, COUNT: tl.constexpr):
+    """Adds a histogram of pairs to the experts' int64 load counters (if COUNT)."""
+    if COUNT:
+        tl.atomic_add(load_ptr + experts, hist.to(tl.int64), mask=e_mask & (hist > 0),
+                      sem="relaxed")  # fmt: skip
+
+
+@triton.jit
 def _count_kernel(
-    ids_ptr, counts_ptr, sorted_ptr, N, E, sorted_len,
-    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    ids_ptr, counts_ptr, sorted_ptr, load_ptr, N, E, sorted_len,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     # Every slot starts as padding; the scatter overwrites the real ones.
@@ -174,6 +182,7 @@ def _count_kernel(
     hist = tl.histogram(ids, BLOCK_E, mask=valid)
     experts = tl.arange(0, BLOCK_E)
     tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0), sem="relaxed")
+    _add_load(load_ptr, hist, experts, experts < E, COUNT)
 
 
 @triton.jit
@@ -202,9 +211,9 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr):
 
 @triton.jit
 def _align_one_program_kernel(
-    ids_ptr, cursor_ptr, sorted_ptr, expert_ids_ptr, total_ptr, N, E, sorted_len, num_blocks,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-    FILL: tl.constexpr,
+    ids_ptr, cursor_ptr, sorted_ptr, expert_ids_ptr, total_ptr, load_ptr, N, E, sorted_len,
+    num_blocks, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_B: tl.constexpr, FILL: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     # The three kernels above in one program, for the few pairs of a decode step: one
     # launch instead of four (the counters need no zeroing: nothing is counted globally).
@@ -212,7 +221,9 @@ def _align_one_program_kernel(
     ids, valid = _pair_ids(ids_ptr, offs, N, E)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E
-    padded, ends, total = _padded_runs(tl.histogram(ids, BLOCK_E, mask=valid), BLOCK_M)
+    hist = tl.histogram(ids, BLOCK_E, mask=valid)
+    _add_load(load_ptr, hist, experts, e_mask, COUNT)
+    padded, ends, total = _padded_runs(hist, BLOCK_M)
     tl.store(total_ptr, total)
     tl.store(cursor_ptr + experts, ends - padded, mask=e_mask)
     for first in range(0, sorted_len, FILL):
@@ -231,6 +242,17 @@ def _align_one_program_kernel(
 ONE_PROGRAM_PAIRS = 1024
 
 
+def check_load(load: torch.Tensor | None, num_experts: int, device: torch.device) -> None:
+    """An expert load counter (None, or contiguous int64 [num_experts] on device)."""
+    if load is None:
+        return
+    if load.shape != (num_experts,) or load.dtype != torch.int64 or not load.is_contiguous():
+        raise ValueError(f"load must be contiguous int64 [{num_experts}], got {load.dtype} "
+                         f"{tuple(load.shape)}")  # fmt: skip
+    if load.device != device:
+        raise ValueError(f"load is on {load.device}, the expert ids on {device}")
+
+
 def align_bounds(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(padded length, number of blocks) upper bounds: at most min(E, pairs) experts pad."""
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
@@ -239,13 +261,14 @@ def align_bounds(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, i
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, load: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sorts the T * k (token, k) pairs by expert, padding each expert to a multiple of block_m.
 
     Returns int32 (sorted_ids [num_blocks * block_m], pair index = token * k + j, padding
     and unused tail = T * k; expert_ids [num_blocks], -1 for unused blocks; total [1], the
-    padded length actually used). Ids outside [0, num_experts) are dropped.
+    padded length actually used). Ids outside [0, num_experts) are dropped. load, if given
+    (int64 [num_experts]), gets each expert's count of pairs added.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in INDEX_DTYPES or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous int32/int64 [T, k], got "
@@ -254,8 +277,10 @@ def moe_align(
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    check_load(load, num_experts, topk_ids.device)
     device = topk_ids.device
     n = topk_ids.numel()
+    count = load is not None
     sorted_len, num_blocks = align_bounds(n, num_experts, block_m)
     sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
@@ -265,9 +290,10 @@ def moe_align(
         scratch = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
         cursor, total = scratch[:num_experts], scratch[-1:]
         _align_one_program_kernel[(1,)](
-            topk_ids, cursor, sorted_ids, expert_ids, total, n, num_experts, sorted_len,
-            num_blocks, BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=block_e, BLOCK_M=block_m,
-            BLOCK_B=block_b, FILL=1024, num_warps=4,
+            topk_ids, cursor, sorted_ids, expert_ids, total, load if count else scratch, n,
+            num_experts, sorted_len, num_blocks, BLOCK_N=max(16, next_power_of_2(n)),
+            BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_B=block_b, FILL=1024, COUNT=count,
+            num_warps=4,
         )  # fmt: skip
         return sorted_ids, expert_ids, total
     scratch = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=device)
@@ -275,8 +301,9 @@ def moe_align(
     # Enough pairs per program to amortise the histogram over all experts.
     chunk = min(max(next_power_of_2(n), 16), 1024)
     grid = (triton.cdiv(max(sorted_len, n), chunk),)
-    _count_kernel[grid](topk_ids, counts, sorted_ids, n, num_experts, sorted_len,
-                        CHUNK=chunk, BLOCK_E=block_e, num_warps=4)  # fmt: skip
+    _count_kernel[grid](topk_ids, counts, sorted_ids, load if count else scratch, n,
+                        num_experts, sorted_len, CHUNK=chunk, BLOCK_E=block_e, COUNT=count,
+                        num_warps=4)  # fmt: skip
     _scan_kernel[(triton.cdiv(num_blocks, block_b),)](
         counts, cursor, expert_ids, total, num_experts, num_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4,

@@ -99,14 +99,18 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)).
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I].
-    Tokens are grouped by expert so each expert runs one matmul.
+    Tokens are grouped by expert so each expert runs one matmul. load (int64 [E]), if
+    given, gets each expert's number of pairs added.
     """
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
+    if load is not None:
+        load.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=load.dtype))
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     token_of = order // top_k

@@ -230,6 +230,7 @@ class Selector:
         verify: Callable[[object, object], str | None] | None = None,
         applies: Callable[..., bool] | None = None,
         revision: str = "",
+        tune_args: Callable[[tuple], tuple] | None = None,
     ):
         self.op = op
         self.variants = variants
@@ -239,6 +240,7 @@ class Selector:
         self.supported = supported or {}
         self.verify = verify
         self.applies = applies
+        self.tune_args = tune_args
         self.cache_key = f"{op}@{revision}" if revision else op
         self.candidates = [
             Candidate(name, tuple(sorted(cfg.items())))
@@ -338,6 +340,8 @@ class Selector:
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
             candidates = self.suiting(self.usable(device), args)
         report = {} if report is None else report
+        if self.tune_args is not None:
+            args = self.tune_args(args)
         best, best_ms = None, float("inf")
         reference, reference_candidate = None, None
         for candidate in candidates:

@@ -103,9 +103,10 @@ class SparseMoE(nn.Module):
     def dispatch(self, x):
         """Routes the tokens and sends them to their experts; `combine` collects."""
         weights, ids = self.route(x)
-        # index_add_ (not bincount) keeps this free of host syncs, so it can be graph-captured.
-        flat = ids.reshape(-1)
-        self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        if not self.experts.counts_load:
+            # index_add_ (not bincount) keeps this free of host syncs: graph-capturable.
+            flat = ids.reshape(-1)
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
         return self.experts.dispatch(self, x, weights, ids)
 
     def combine(self, handle):

@@ -309,6 +309,26 @@ def test_configs_that_do_not_suit_the_inputs_are_neither_tuned_nor_chosen(fresh_
     assert sel.choose(torch.ones(2)) == Candidate("tiled", (("tile", 1),)) and timed == [1]
 
 
+def test_tuning_runs_on_the_inputs_tune_args_gives(fresh_cache):
+    # An operator that adds into an argument: tuning runs every candidate (several times),
+    # the caller's counter must see one call's worth.
+    def add(x, counter, step):
+        counter += step
+        return x
+
+    sel = Selector(
+        "adds", {"add": add}, {"add": [{"step": 1}, {"step": 2}]},
+        bucket=lambda x, counter: (x.shape[0],), timer=wall_timer, tune_on_cpu=True,
+        tune_args=lambda args: (args[0], torch.zeros_like(args[1])),
+    )  # fmt: skip
+    counter = torch.zeros(1)
+    sel(torch.ones(3), counter)
+    chosen = sel.choose(torch.ones(3), counter).kwargs["step"]
+    assert counter.item() == chosen  # only the chosen candidate's one call counted
+    sel(torch.ones(3), counter)
+    assert counter.item() == 2 * chosen
+
+
 def test_a_revision_makes_choices_on_disk_again(fresh_cache):
     make_selector([])(torch.ones(3))
     selection._CACHES.clear()

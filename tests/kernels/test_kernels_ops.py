@@ -19,6 +19,7 @@ import torch
 from kernels import moe_routing, reference
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
+from kernels.fused_moe_rows import ROWS_CONFIGS, fused_moe_rows
 from kernels.moe_routing import moe_align, moe_route
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rotary_cache_write
@@ -259,6 +260,36 @@ def test_fused_moe(tokens, experts, top_k, hidden, width, dtype):
     assert_close(fused_moe(x, w13, w2, weights, ids.to(torch.int32)), want)
 
 
+@pytest.mark.parametrize("dtype", MOE_DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,width", MOE_CASES[:3])
+def test_fused_moe_rows_kernels_and_the_load_they_count(tokens, experts, top_k, hidden, width,
+                                                        dtype):  # fmt: skip
+    # The per-pair kernels a decode step of a few tokens may take, every config, against the
+    # reference; both variants add each expert's pairs to the load counter as bincount does.
+    x, w13, w2, logits = moe_inputs(tokens, experts, top_k, hidden, width, dtype, seed=tokens)
+    weights, ids = moe_route(logits, top_k, renormalize=True)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    counted = torch.bincount(ids.reshape(-1), minlength=experts)
+    for config in ROWS_CONFIGS:
+        load = torch.full((experts,), 5, dtype=torch.int64)
+        assert_close(fused_moe_rows(x, w13, w2, weights, ids, load, **config), want)
+        assert torch.equal(load, counted + 5)
+    load = torch.zeros(experts, dtype=torch.int64)
+    assert_close(fused_moe(x, w13, w2, weights, ids.to(torch.int32), load), want)
+    assert torch.equal(load, counted)
+
+
+def test_fused_moe_rows_ignore_ids_out_of_range():
+    x, w13, w2, _ = moe_inputs(2, 4, 2, 32, 16, torch.float32, seed=3)
+    ids = torch.tensor([[1, -1], [4, 2]])
+    load = torch.zeros(4, dtype=torch.int64)
+    got = fused_moe_rows(x, w13, w2, torch.ones(2, 2), ids, load, **ROWS_CONFIGS[0])
+    kept = reference.fused_moe(x, w13, w2, torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+                               torch.tensor([[1, 0], [0, 2]]))  # fmt: skip
+    assert_close(got, kept)
+    assert load.tolist() == [0, 1, 1, 0]
+
+
 def test_fused_moe_unbalanced_routing():
     # Every token picks expert 2 first; expert 0 gets nothing.
     x, w13, w2, _ = moe_inputs(33, 4, 2, 32, 16, torch.float32, seed=5)
@@ -312,6 +343,9 @@ def test_bad_inputs_raise_value_error():
         lambda: fused_moe(xm, w13, w2, weights, ids.float()),
         lambda: fused_moe(xm, w13, w2, weights[:, :1], ids),
         lambda: fused_moe(xm[:4], w13, w2, weights, ids),
+        lambda: fused_moe(xm, w13, w2, weights, ids, torch.zeros(4, dtype=torch.int32)),
+        lambda: fused_moe(xm, w13, w2, weights, ids, torch.zeros(3, dtype=torch.int64)),
+        lambda: moe_align(ids, 4, 16, torch.zeros(5, dtype=torch.int64)),
     ]
     for i, call in enumerate(bad):
         with pytest.raises(ValueError):
