@@ -1,0 +1,56 @@
+"""The few-row projection kernels (kernels/skinny_linear.py) against torch at odd shapes,
+every config, through Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, skinny_dot, skinny_fma
+
+CASES = [(1, 37, 70), (3, 20, 130), (4, 9, 33)]  # rows, N, K
+DTYPES = [torch.float32, torch.float16]
+
+
+def inputs(rows, n, k, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    return x, w, (x.float() @ w.float().T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", CASES)
+def test_skinny_kernels_match_torch(rows, n, k, dtype):
+    x, w, want = inputs(rows, n, k, dtype, seed=rows * n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for fn, configs in ((skinny_fma, FMA_CONFIGS[::5]), (skinny_dot, DOT_CONFIGS[::4])):
+        for cfg in configs:
+            out = torch.full((rows, n), float("nan"), dtype=dtype)
+            got = fn(x, w, out, **cfg)
+            assert got is out
+            assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (fn.__name__, cfg)
+
+
+def test_skinny_kernels_write_a_float32_output_and_strided_rows():
+    x, w, want = inputs(2, 21, 40, torch.float32, seed=1)
+    wide = torch.zeros(2, 50)
+    out = wide[:, 3:24]  # rows 50 apart
+    skinny_fma(x, w, out, **FMA_CONFIGS[0])
+    assert torch.allclose(out, want, atol=1e-5) and not wide[:, :3].any()
+
+
+def test_bad_inputs_raise_value_error():
+    x, w, _ = inputs(2, 8, 16, torch.float32, seed=2)
+    cfg = FMA_CONFIGS[0]
+    bad = [
+        lambda: skinny_fma(torch.zeros(5, 16), w, torch.zeros(5, 8), **cfg),
+        lambda: skinny_dot(torch.zeros(17, 16), w, torch.zeros(17, 8), **cfg),
+        lambda: skinny_fma(x, w[:, :15], torch.zeros(2, 8), **cfg),
+        lambda: skinny_fma(x, w, torch.zeros(2, 7), **cfg),
+        lambda: skinny_fma(x.half(), w, torch.zeros(2, 8), **cfg),
+        lambda: skinny_fma(x, w.t().contiguous().t(), torch.zeros(2, 8), **cfg),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
