@@ -200,10 +200,10 @@ def _bucket(x, w13, w2, topk_weights, topk_ids, load=None):
     )  # fmt: skip
 
 
-def _applies(config, x, *rest) -> bool:
+def _few_tokens(config, x, *rest) -> bool:
     """The per-pair kernels are tried for a few tokens only (a bucket holds up to a power
     of two of them)."""
-    return "block_m" in config or next_power_of_2(x.shape[0]) <= ROWS_MAX_TOKENS
+    return next_power_of_2(x.shape[0]) <= ROWS_MAX_TOKENS
 
 
 def _tune_args(args: tuple) -> tuple:
@@ -217,7 +217,7 @@ _selector = Selector(
     {"grouped": _launch, "rows": fused_moe_rows},
     {"grouped": _CONFIGS, "rows": ROWS_CONFIGS},
     _bucket,
-    applies=_applies,
+    applies={"rows": _few_tokens},
     tune_args=_tune_args,
     revision="s74",  # the per-pair kernels are new candidates for a few tokens
 )

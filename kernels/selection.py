@@ -213,7 +213,8 @@ class Selector:
     output of the first candidate that ran (see selection_verify.close_outputs) and drops those that
     disagree or raise. applies: callable(config, *args) -> bool, the configs that suit these
     inputs (one the shape would turn into another's duplicate is never tuned nor chosen for
-    them; the first config must suit every input). revision: bumped when the candidates
+    them; the first config must suit every input; a dict holds one such rule a variant, and
+    a variant it does not name suits every input). revision: bumped when the candidates
     change enough that choices already on disk should be made again (it is part of the
     on-disk key).
     """
@@ -228,7 +229,7 @@ class Selector:
         tune_on_cpu: bool = False,
         supported: dict[str, Callable[[torch.device], bool]] | None = None,
         verify: Callable[[object, object], str | None] | None = None,
-        applies: Callable[..., bool] | None = None,
+        applies: Callable[..., bool] | dict[str, Callable[..., bool]] | None = None,
         revision: str = "",
         tune_args: Callable[[tuple], tuple] | None = None,
     ):
@@ -275,10 +276,16 @@ class Selector:
         """The candidates whose config suits these inputs (see `applies`)."""
         if self.applies is None:
             return candidates
-        suiting = [c for c in candidates if self.applies(c.kwargs, *args)]
+        suiting = [c for c in candidates if self._suits(c, args)]
         if not suiting or suiting[0] != candidates[0]:  # the default and verify's reference
             raise ValueError(f"kernel {self.op}: its first config must suit every input")
         return suiting
+
+    def _suits(self, candidate: Candidate, args: tuple) -> bool:
+        rule = self.applies
+        if isinstance(rule, dict):
+            rule = rule.get(candidate.variant)
+        return rule is None or bool(rule(candidate.kwargs, *args))
 
     def __call__(self, *args):
         candidate = self.choose(*args)

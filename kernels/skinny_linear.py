@@ -17,11 +17,15 @@ Whether either beats cuBLAS at a shape is measured (bench.gpu.skinny_gemm).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.selection import Selector, next_power_of_2
+
 MAX_ROWS = 16
 FMA_MAX_ROWS = 4
+MAX_PRODUCTS = 8192  # an fma program's [M, N, K] products beyond this spill
 
 
 @triton.jit
@@ -134,3 +138,37 @@ def _configs(pairs, warps, stages) -> list[dict]:
 FMA_CONFIGS = _configs([(4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128)],
                        (2, 4), (3, 4))  # fmt: skip
 DOT_CONFIGS = _configs([(16, 256), (32, 128), (32, 256), (64, 128)], (4,), (3, 4, 5))
+
+
+def _torch_mm(x, w, out):
+    return torch.mm(x, w.t(), out=out)
+
+
+def _bucket(x, w, out):
+    return (next_power_of_2(x.shape[0]), w.shape[0], w.shape[1], str(x.dtype), str(out.dtype))
+
+
+def _fma_suits(config, x, w, out) -> bool:
+    """Up to 4 rows, and no more products in flight a program than MAX_PRODUCTS."""
+    rows = next_power_of_2(x.shape[0])
+    return rows <= FMA_MAX_ROWS and rows * config["block_n"] * config["block_k"] <= MAX_PRODUCTS
+
+
+SELECTOR = Selector(
+    "skinny_linear",
+    {"torch": _torch_mm, "fma": skinny_fma, "dot": skinny_dot},
+    {"fma": FMA_CONFIGS, "dot": DOT_CONFIGS},
+    _bucket,
+    applies={"fma": _fma_suits},
+)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [T, K]: for 1 to 16 rows on CUDA without a bias, the
+    fastest of cuBLAS and the kernels above at this shape (tuned on first use)."""
+    if bias is not None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_cuda:
+        return F.linear(x, w, bias)
+    if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype != w.dtype:
+        return F.linear(x, w)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    return SELECTOR(x, w, out)

@@ -23,7 +23,14 @@ import torch
 from bench.gpu.ceilings import measure
 from bench.gpu.sections import Sections, script_parser
 from bench.gpu.timing import queued_ms
-from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, FMA_MAX_ROWS, skinny_dot, skinny_fma
+from kernels.skinny_linear import (
+    DOT_CONFIGS,
+    FMA_CONFIGS,
+    FMA_MAX_ROWS,
+    MAX_PRODUCTS,
+    skinny_dot,
+    skinny_fma,
+)
 
 V2_LITE = {"qkv_a": (3648, 2048), "o": (2048, 2048), "shared_gate_up": (5632, 2048),
            "shared_down": (2048, 2816), "lm_head": (102400, 2048)}  # fmt: skip
@@ -36,7 +43,6 @@ GPU = dict(shapes={**{f"v2_lite/{k}": v for k, v in V2_LITE.items()},
 CPU = dict(shapes={"odd": (37, 70), "wide": (20, 130)}, rows=(1, 3),
            kernels={name: (fn, cfgs[:1] + cfgs[-1:]) for name, (fn, cfgs) in KERNELS.items()},
            dtype=torch.float32)  # fmt: skip
-MAX_PRODUCTS = 8192  # an fma program's [M, N, K] products beyond this spill
 
 
 def shape_rows(sizes: dict, ceilings: dict, device: str) -> list[dict]:

@@ -129,7 +129,8 @@ def test_every_shipped_choice_is_a_candidate_of_its_kernel():
     import importlib
 
     kernels = ("activation", "decode_attention", "extend_attention", "fused_moe", "grouped_topk",
-               "mla_decode", "mla_rotary", "moe_routing", "norm", "rotary")  # fmt: skip
+               "mla_decode", "mla_rotary", "moe_routing", "norm", "rotary",
+               "skinny_linear")  # fmt: skip
     for name in kernels:
         importlib.import_module(f"kernels.{name}")
     selectors = {s.cache_key: s for s in selection.SELECTORS}
