@@ -23,6 +23,8 @@ class ExpertBackend:
     graph_safe = True
     # Whether dispatch adds the pairs to moe.expert_load itself (else the layer does).
     counts_load = False
+    # Whether dispatch's output includes the layer's shared experts (moe.shared_weights()).
+    runs_shared = False
 
     def begin_step(self) -> None:
         """A step starts: nothing of the last one is in flight (a placement may change)."""
@@ -41,13 +43,15 @@ class ExpertBackend:
 
 
 class LocalExperts(ExpertBackend):
-    """Today's path: every routed expert in this process, one fused MoE call (which also
-    counts the experts' load, inside its kernels)."""
+    """Today's path: every routed expert in this process, one fused MoE call, which also
+    counts the experts' load and runs the layer's shared experts, inside its kernels."""
 
     counts_load = True
+    runs_shared = True
 
     def dispatch(self, moe, hidden, topk_weights, topk_ids):
-        return ops.fused_moe(hidden, moe.w13, moe.w2, topk_weights, topk_ids, moe.expert_load)
+        return ops.fused_moe(hidden, moe.w13, moe.w2, topk_weights, topk_ids, moe.expert_load,
+                             moe.shared_weights())  # fmt: skip
 
     def combine(self, handle) -> torch.Tensor:
         return handle

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows
+from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows, shared_mlp
 from kernels.moe_routing import INDEX_DTYPES, check_load, moe_align
 from kernels.selection import Selector, next_power_of_2
 
@@ -131,13 +131,19 @@ def _down_kernel(
 
 
 def _launch(
-    x, w13, w2, topk_weights, topk_ids, load=None, *,
+    x, w13, w2, topk_weights, topk_ids, load=None, shared=None, *,
     block_m, group_m, block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
 ):  # fmt: skip
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, width = w2.shape[0], w2.shape[2]
     num_pairs = tokens * top_k
+    if shared is not None:
+        routed = _launch(x, w13, w2, topk_weights, topk_ids, load, None, block_m=block_m,
+                         group_m=group_m, block_n1=block_n1, block_k1=block_k1, warps1=warps1,
+                         stages1=stages1, block_n2=block_n2, block_k2=block_k2, warps2=warps2,
+                         stages2=stages2)  # fmt: skip
+        return routed + shared_mlp(x, shared)
     if num_pairs == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     sorted_ids, expert_ids, _ = moe_align(topk_ids, num_experts, block_m, load)
@@ -193,11 +199,12 @@ _CONFIGS = [
 ]
 
 
-def _bucket(x, w13, w2, topk_weights, topk_ids, load=None):
-    return (
+def _bucket(x, w13, w2, topk_weights, topk_ids, load=None, shared=None):
+    bucket = (
         min(next_power_of_2(x.shape[0]), 1 << 16), x.shape[1], w2.shape[2], w2.shape[0],
         topk_ids.shape[1], str(x.dtype),
     )  # fmt: skip
+    return bucket if shared is None else (*bucket, "shared", shared[1].shape[1])
 
 
 def _few_tokens(config, x, *rest) -> bool:
@@ -208,8 +215,8 @@ def _few_tokens(config, x, *rest) -> bool:
 
 def _tune_args(args: tuple) -> tuple:
     """Tuning runs every candidate: they count into a scratch load, not the experts' own."""
-    *inputs, load = args
-    return (*inputs, None if load is None else torch.zeros_like(load))
+    *inputs, load, shared = args
+    return (*inputs, None if load is None else torch.zeros_like(load), shared)
 
 
 _selector = Selector(
@@ -230,13 +237,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     load: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) -> [T, H] in x's dtype.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights float
     [T, k]; topk_ids int32 or int64 [T, k], each in [0, E) (not checked: a host sync).
     load, if given (int64 [E], contiguous), gets each expert's number of pairs added (the
-    counters expert balancing reads), inside the kernels.
+    counters expert balancing reads), inside the kernels. shared, if given (gate_up [2S, H]
+    gate rows then up rows, down [H, S], contiguous): an always-on expert whose output is
+    added (a DeepSeek layer's shared experts), inside the per-pair kernels where S is a
+    multiple of I.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T, H], w13 [E, 2I, H], w2 [E, H, I], got "
@@ -264,4 +275,21 @@ def fused_moe(
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     check_load(load, experts, x.device)
-    return _selector(x, w13, w2, topk_weights, topk_ids, load)
+    if shared is not None:
+        _check_shared(shared, x)
+    return _selector(x, w13, w2, topk_weights, topk_ids, load, shared)
+
+
+def _check_shared(shared, x: torch.Tensor) -> None:
+    gate_up, down = shared
+    hidden = x.shape[1]
+    if gate_up.dim() != 2 or down.dim() != 2 or down.shape[0] != hidden:
+        raise ValueError(f"shared must be (gate_up [2S, {hidden}], down [{hidden}, S]), got "
+                         f"{tuple(gate_up.shape)}, {tuple(down.shape)}")  # fmt: skip
+    if tuple(gate_up.shape) != (2 * down.shape[1], hidden):
+        raise ValueError(f"shared gate_up {tuple(gate_up.shape)} does not fit down "
+                         f"{tuple(down.shape)}: need [2S, H] and [H, S]")  # fmt: skip
+    for name, t in (("shared gate_up", gate_up), ("shared down", down)):
+        if t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {x.dtype} on {x.device}, got "
+                             f"{t.dtype} on {t.device}")  # fmt: skip

@@ -21,31 +21,18 @@ contribute nothing (and are not counted).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_and_mul
+
 
 @triton.jit
-def _rows_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr, load_ptr, E, WIDTH, stride_xt, stride_we, stride_wn,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COUNT: tl.constexpr,
-):  # fmt: skip
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    valid = (expert >= 0) & (expert < E)
-    if COUNT:
-        if pid_n == 0:
-            tl.atomic_add(load_ptr + expert, 1, mask=valid, sem="relaxed")
-    expert = tl.where(valid, expert, 0)
-    token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gate_up_rows(x_ptrs, g_ptrs, up_offset, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """One row's gate and up projections over a block of columns, float32."""
     offs_k = tl.arange(0, BLOCK_K)
-    cols = offs_n % WIDTH  # wrapped: the weight loads stay unmasked along N
-    g_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + WIDTH * stride_wn
-    x_ptrs = x_ptr + token * stride_xt + offs_k
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
@@ -53,17 +40,55 @@ def _rows_gate_up_kernel(
         if EVEN_K:
             a = tl.load(x_ptrs).to(tl.float32)
             g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
+            u = tl.load(g_ptrs + up_offset).to(tl.float32)
         else:
             k_mask = offs_k < HIDDEN - k * BLOCK_K
             a = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            u = tl.load(g_ptrs + up_offset, mask=k_mask[None, :], other=0.0).to(tl.float32)
         acc_g += tl.sum(g * a[None, :], axis=1)
         acc_u += tl.sum(u * a[None, :], axis=1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _rows_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, load_ptr, E, WIDTH, stride_xt, stride_we, stride_wn,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
+):  # fmt: skip
+    # Programs [0, T * k) take the routed pairs, the rest each token's shared chunks: chunk
+    # c of a shared expert of width N_SHARED * WIDTH is its gate and up rows
+    # [c * WIDTH, (c + 1) * WIDTH) (s_ptr: [2 * N_SHARED * WIDTH, HIDDEN], gate then up).
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_routed = tl.num_programs(0) // (TOP_K + N_SHARED) * TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % WIDTH  # wrapped: the weight loads stay unmasked along N
+    offs_k = tl.arange(0, BLOCK_K)
+    if pair < num_routed:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        valid = (expert >= 0) & (expert < E)
+        if COUNT:
+            if pid_n == 0:
+                tl.atomic_add(load_ptr + expert, 1, mask=valid, sem="relaxed")
+        token = (pair // TOP_K).to(tl.int64)
+        base = w_ptr + tl.where(valid, expert, 0) * stride_we
+        row_stride = stride_wn.to(tl.int64)
+    else:
+        CHUNKS: tl.constexpr = N_SHARED + (N_SHARED == 0)  # never 0 (no shared: unused)
+        token = ((pair - num_routed) // CHUNKS).to(tl.int64)
+        chunk = ((pair - num_routed) % CHUNKS).to(tl.int64)
+        valid = pair >= 0
+        base = s_ptr + chunk * WIDTH * HIDDEN
+        row_stride = stride_wn.to(tl.int64) * 0 + HIDDEN
+    # up rows follow the gate rows: WIDTH of an expert's, N_SHARED * WIDTH of the shared one's
+    up_offset = tl.where(pair < num_routed, WIDTH, N_SHARED * WIDTH) * row_stride
+    g_ptrs = base + cols[:, None] * row_stride + offs_k[None, :]
+    x_ptrs = x_ptr + token * stride_xt + offs_k
+    acc_g, acc_u = _gate_up_rows(x_ptrs, g_ptrs, up_offset, HIDDEN, BLOCK_N, BLOCK_K)
     dtype: tl.constexpr = act_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
@@ -73,9 +98,31 @@ def _rows_gate_up_kernel(
 
 
 @triton.jit
+def _down_row(a_ptrs, b_ptrs, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """One row's down projection over a block of output columns, float32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    EVEN_K: tl.constexpr = WIDTH % BLOCK_K == 0
+    for k in range(0, (WIDTH + BLOCK_K - 1) // BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            b = tl.load(b_ptrs).to(tl.float32)
+        else:
+            k_mask = offs_k < WIDTH - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(b * a[None, :], axis=1)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _rows_down_sum_kernel(
-    act_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, E, HIDDEN, stride_we, stride_wn, stride_ot,
-    WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr, w_ptr, d_ptr, ids_ptr, topk_w_ptr, out_ptr, E, HIDDEN, stride_we, stride_wn,
+    stride_ot, WIDTH: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,64 +130,85 @@ def _rows_down_sum_kernel(
     cols = offs_n % HIDDEN
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    EVEN_K: tl.constexpr = WIDTH % BLOCK_K == 0
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         valid = (expert >= 0) & (expert < E)
-        expert = tl.where(valid, expert, 0)
-        a_ptrs = act_ptr + pair * WIDTH + offs_k
-        b_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in range(0, (WIDTH + BLOCK_K - 1) // BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs).to(tl.float32)
-                b = tl.load(b_ptrs).to(tl.float32)
-            else:
-                k_mask = offs_k < WIDTH - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-                b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(b * a[None, :], axis=1)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        b_ptrs = (w_ptr + tl.where(valid, expert, 0) * stride_we + cols[:, None] * stride_wn
+                  + offs_k[None, :])  # fmt: skip
+        acc = _down_row(act_ptr + pair * WIDTH + offs_k, b_ptrs, WIDTH, BLOCK_N, BLOCK_K)
         route_w = tl.load(topk_w_ptr + pair).to(dtype).to(tl.float32)
         y = (acc.to(dtype).to(tl.float32) * route_w).to(dtype).to(tl.float32)
         total += tl.where(valid, y, 0.0)
+    if N_SHARED > 0:
+        # The shared expert's down projection (d_ptr: [HIDDEN, N_SHARED * WIDTH]) over its
+        # chunks, one float32 sum rounded once, added as the reference adds it.
+        first = tl.num_programs(0).to(tl.int64) * TOP_K + token * N_SHARED
+        shared = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c in tl.static_range(N_SHARED):
+            b_ptrs = d_ptr + cols[:, None] * (N_SHARED * WIDTH) + c * WIDTH + offs_k[None, :]
+            a_ptrs = act_ptr + (first + c) * WIDTH + offs_k
+            shared += _down_row(a_ptrs, b_ptrs, WIDTH, BLOCK_N, BLOCK_K)
+        total = total.to(dtype).to(tl.float32) + shared.to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(dtype), mask=offs_n < HIDDEN)
 
 
+def shared_chunks(shared, width: int) -> int:
+    """How many routed-width chunks a shared expert (gate_up [2S, H], down [H, S]) is: S /
+    width, or 0 where it has none or S is not a multiple of the routed width."""
+    if shared is None:
+        return 0
+    size = shared[1].shape[1]
+    return size // width if size % width == 0 else 0
+
+
 def fused_moe_rows(
-    x, w13, w2, topk_weights, topk_ids, load=None, *,
+    x, w13, w2, topk_weights, topk_ids, load=None, shared=None, *,
     block_n1: int, block_k1: int, warps1: int, stages1: int,
     block_n2: int, block_k2: int, warps2: int, stages2: int,
 ):  # fmt: skip
     """kernels.fused_moe's operator (inputs checked there) as per-pair matrix-vector
-    products; load (int64 [E]) gets each expert's pair count added, if given."""
+    products; load (int64 [E]) gets each expert's pair count added, if given; a shared
+    expert (gate_up [2S, H], down [H, S]) is added as the reference adds it."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, width = w2.shape[0], w2.shape[2]
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    act = torch.empty(tokens * top_k, width, dtype=x.dtype, device=x.device)
+    chunks = shared_chunks(shared, width)
+    if shared is not None and not chunks:  # widths that do not divide: the MLP apart
+        routed = fused_moe_rows(x, w13, w2, topk_weights, topk_ids, load, None, block_n1=block_n1,
+                                block_k1=block_k1, warps1=warps1, stages1=stages1,
+                                block_n2=block_n2, block_k2=block_k2, warps2=warps2,
+                                stages2=stages2)  # fmt: skip
+        return routed + shared_mlp(x, shared)
+    gate_up, down = shared if chunks else (w13, w2)
+    act = torch.empty(tokens * (top_k + chunks), width, dtype=x.dtype, device=x.device)
     # Narrow problems get narrower tiles.
     block_n1 = min(block_n1, triton.next_power_of_2(width))
     block_k1 = min(block_k1, triton.next_power_of_2(hidden))
     block_n2 = min(block_n2, triton.next_power_of_2(hidden))
     block_k2 = min(block_k2, triton.next_power_of_2(width))
     count = load is not None
-    _rows_gate_up_kernel[(tokens * top_k, triton.cdiv(width, block_n1))](
-        x, w13, topk_ids, act, load if count else topk_ids, num_experts, width,
+    _rows_gate_up_kernel[(tokens * (top_k + chunks), triton.cdiv(width, block_n1))](
+        x, w13, gate_up, topk_ids, act, load if count else topk_ids, num_experts, width,
         x.stride(0), w13.stride(0), w13.stride(1),
-        HIDDEN=hidden, TOP_K=top_k, BLOCK_N=block_n1, BLOCK_K=block_k1, COUNT=count,
-        num_warps=warps1, num_stages=stages1,
+        HIDDEN=hidden, TOP_K=top_k, N_SHARED=chunks, BLOCK_N=block_n1, BLOCK_K=block_k1,
+        COUNT=count, num_warps=warps1, num_stages=stages1,
     )  # fmt: skip
     _rows_down_sum_kernel[(tokens, triton.cdiv(hidden, block_n2))](
-        act, w2, topk_ids, topk_weights, out, num_experts, hidden, w2.stride(0), w2.stride(1),
-        out.stride(0), WIDTH=width, TOP_K=top_k, BLOCK_N=block_n2, BLOCK_K=block_k2,
-        num_warps=warps2, num_stages=stages2,
+        act, w2, down, topk_ids, topk_weights, out, num_experts, hidden, w2.stride(0),
+        w2.stride(1), out.stride(0), WIDTH=width, TOP_K=top_k, N_SHARED=chunks,
+        BLOCK_N=block_n2, BLOCK_K=block_k2, num_warps=warps2, num_stages=stages2,
     )  # fmt: skip
     return out
+
+
+def shared_mlp(x, shared) -> torch.Tensor:
+    """A shared expert's output on x: down(silu(gate(x)) * up(x)) (torch and the SiLU kernel)."""
+    gate_up, down = shared
+    return F.linear(silu_and_mul(F.linear(x, gate_up)), down)
 
 
 def _config(gemm1, gemm2) -> dict:

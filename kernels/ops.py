@@ -65,8 +65,8 @@ def moe_route(router_logits, top_k, renormalize):
     return _pick("moe_route", router_logits)(router_logits, top_k, renormalize)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, load=None):
-    return _pick("fused_moe", x)(x, w13, w2, topk_weights, topk_ids, load)
+def fused_moe(x, w13, w2, topk_weights, topk_ids, load=None, shared=None):
+    return _pick("fused_moe", x)(x, w13, w2, topk_weights, topk_ids, load, shared)
 
 
 def grouped_topk(router_logits, top_k, num_groups, topk_group, renormalize, scaling,

@@ -100,8 +100,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     load: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)).
+    """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)), plus a shared
+    expert's down(silu(gate(x)) * up(x)) if given (gate_up [2S, H], down [H, S]).
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I].
     Tokens are grouped by expert so each expert runs one matmul. load (int64 [E]), if
@@ -123,7 +125,10 @@ def fused_moe(
         h = silu_and_mul(x[token_of[start : start + count]] @ w13[expert].t())
         out[rows] = h @ w2[expert].t()
         start += count
-    return moe_sum(out.view(tokens, top_k, -1), topk_weights)
+    routed = moe_sum(out.view(tokens, top_k, -1), topk_weights)
+    if shared is None:
+        return routed
+    return routed + silu_and_mul(x @ shared[0].t()) @ shared[1].t()
 
 
 def moe_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,14 @@ class DeepseekMoE(SparseMoE):
     def dispatch(self, x):
         return x, super().dispatch(x)
 
+    def shared_weights(self):
+        mlp = self.shared_experts
+        return None if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
+
     def combine(self, sent):
         x, handle = sent
+        if self.shared_experts is None or self.experts.runs_shared:
+            return super().combine(handle)  # the experts' kernels added the shared ones
         # The shared experts run here while the routed ones may still be elsewhere.
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        routed = super().combine(handle)
-        return routed if shared is None else routed + shared
+        shared = self.shared_experts(x)
+        return super().combine(handle) + shared

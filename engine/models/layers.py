@@ -94,6 +94,10 @@ class SparseMoE(nn.Module):
         """(weights [T, k], expert ids [T, k]) of each token."""
         return ops.moe_route(self.skewed(F.linear(x, self.gate)), self.top_k, self.renormalize)
 
+    def shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [2S, H], down [H, S]) of an always-on expert added to the routed ones."""
+        return None
+
     def skewed(self, logits):
         return logits if self.router_bias is None else logits + self.router_bias
 

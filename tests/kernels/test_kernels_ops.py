@@ -279,6 +279,23 @@ def test_fused_moe_rows_kernels_and_the_load_they_count(tokens, experts, top_k, 
     assert torch.equal(load, counted)
 
 
+@pytest.mark.parametrize("dtype", MOE_DTYPES)
+@pytest.mark.parametrize("shared_width", [80, 24])  # two chunks of the routed width; apart
+def test_fused_moe_adds_a_shared_expert(shared_width, dtype):
+    # A DeepSeek layer's shared experts, inside the per-pair kernels (a shared width that
+    # is a multiple of the routed one) or beside them, and in the grouped variant.
+    x, w13, w2, logits = moe_inputs(3, 8, 3, 48, 40, dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    shared = (torch.randn(2 * shared_width, 48, generator=gen).to(dtype) / 7,
+              torch.randn(48, shared_width, generator=gen).to(dtype) / 9)  # fmt: skip
+    weights, ids = moe_route(logits, 3, renormalize=True)
+    want = reference.fused_moe(x, w13, w2, weights, ids, None, shared)
+    assert not torch.allclose(want, reference.fused_moe(x, w13, w2, weights, ids), atol=0.05)
+    for config in ROWS_CONFIGS[:2]:
+        assert_close(fused_moe_rows(x, w13, w2, weights, ids, None, shared, **config), want)
+    assert_close(fused_moe(x, w13, w2, weights, ids, None, shared), want)
+
+
 def test_fused_moe_rows_ignore_ids_out_of_range():
     x, w13, w2, _ = moe_inputs(2, 4, 2, 32, 16, torch.float32, seed=3)
     ids = torch.tensor([[1, -1], [4, 2]])
@@ -346,6 +363,9 @@ def test_bad_inputs_raise_value_error():
         lambda: fused_moe(xm, w13, w2, weights, ids, torch.zeros(4, dtype=torch.int32)),
         lambda: fused_moe(xm, w13, w2, weights, ids, torch.zeros(3, dtype=torch.int64)),
         lambda: moe_align(ids, 4, 16, torch.zeros(5, dtype=torch.int64)),
+        lambda: fused_moe(xm, w13, w2, weights, ids, None, (randn(30, 32), randn(32, 16))),
+        lambda: fused_moe(xm, w13, w2, weights, ids, None, (randn(32, 32), randn(31, 16))),
+        lambda: fused_moe(xm, w13, w2, weights, ids, None, (randn(32, 32).half(), randn(32, 16))),
     ]
     for i, call in enumerate(bad):
         with pytest.raises(ValueError):
