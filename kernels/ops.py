@@ -41,6 +41,10 @@ def _pick(name: str, x: torch.Tensor):
     return getattr(reference, name, None) or getattr(mla_reference, name)
 
 
+def linear(x, w, bias=None):
+    return _pick("linear", x)(x, w, bias)
+
+
 def rms_norm(x, weight, eps):
     return _pick("rms_norm", x)(x, weight, eps)
 

@@ -82,6 +82,12 @@ def write_kv_cache(
     cache[blocks, 1, offsets] = v.to(cache.dtype)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection: x @ w^T (+ bias) in w's dtype (x is cast to it, as a float32 router
+    takes 16-bit hidden states)."""
+    return F.linear(x.to(w.dtype) if x.dtype != w.dtype else x, w, bias)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

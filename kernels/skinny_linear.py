@@ -22,10 +22,13 @@ import triton
 import triton.language as tl
 
 from kernels.selection import Selector, next_power_of_2
+from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
 
 MAX_ROWS = 16
 FMA_MAX_ROWS = 4
 MAX_PRODUCTS = 8192  # an fma program's [M, N, K] products beyond this spill
+# 16-bit rows against a float32 weight (a router kept in float32): the rows are upcast.
+MIXED = {torch.float32: (torch.bfloat16, torch.float16)}
 
 
 @triton.jit
@@ -93,9 +96,9 @@ def check_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
                          f"{tuple(w.shape)}")  # fmt: skip
     if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("x, w and out need unit last strides")
-    if out.shape != (rows, w.shape[0]) or x.dtype != w.dtype:
-        raise ValueError(f"out must be [{rows}, {w.shape[0]}] and x must be {w.dtype}, got "
-                         f"{tuple(out.shape)} and {x.dtype}")  # fmt: skip
+    if out.shape != (rows, w.shape[0]) or x.dtype not in (w.dtype, *MIXED.get(w.dtype, ())):
+        raise ValueError(f"out must be [{rows}, {w.shape[0]}] and x {w.dtype} (or 16-bit with "
+                         f"a float32 w), got {tuple(out.shape)} and {x.dtype}")  # fmt: skip
 
 
 def skinny_fma(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_stages: int):
@@ -122,7 +125,7 @@ def skinny_dot(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_sta
     _skinny_dot_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, rows, n, x.stride(0), w.stride(0), out.stride(0),
         K=k, BLOCK_N=max(16, block_n), BLOCK_K=max(16, min(block_k, triton.next_power_of_2(k))),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -133,15 +136,19 @@ def _configs(pairs, warps, stages) -> list[dict]:
             for n, k in pairs for w in warps for s in stages]  # fmt: skip
 
 
-# (block_n, block_k): at most 8,192 products in flight a program (the fma kernel holds
-# [M, N, K] of them; 4 rows then take 4-row blocks).
-FMA_CONFIGS = _configs([(4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128)],
-                       (2, 4), (3, 4))  # fmt: skip
-DOT_CONFIGS = _configs([(16, 256), (32, 128), (32, 256), (64, 128)], (4,), (3, 4, 5))
+# Every config bench.gpu.skinny_gemm times ((block_n, block_k): at most 8,192 products in
+# flight an fma program at one row; 4 rows then take 4-row blocks).
+FMA_SWEEP = _configs([(4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128)],
+                     (2, 4), (3, 4))  # fmt: skip
+DOT_SWEEP = _configs([(16, 256), (32, 128), (32, 256), (64, 128)], (4,), (3, 4, 5))
+# The engine's candidates, a few so a shape first met compiles little (provisional: the
+# sweep on the GPU picks them).
+FMA_CONFIGS = _configs([(4, 512), (8, 512), (16, 256), (32, 128)], (4,), (3,))
+DOT_CONFIGS = _configs([(32, 256), (64, 128)], (4,), (4,))
 
 
 def _torch_mm(x, w, out):
-    return torch.mm(x, w.t(), out=out)
+    return torch.mm(x.to(w.dtype), w.t(), out=out)
 
 
 def _bucket(x, w, out):
@@ -160,15 +167,19 @@ SELECTOR = Selector(
     {"fma": FMA_CONFIGS, "dot": DOT_CONFIGS},
     _bucket,
     applies={"fma": _fma_suits},
+    # a candidate whose product parts from cuBLAS's is dropped, never chosen
+    verify=close_outputs(ATTENTION_TOLERANCE),
 )
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for x [T, K]: for 1 to 16 rows on CUDA without a bias, the
-    fastest of cuBLAS and the kernels above at this shape (tuned on first use)."""
-    if bias is not None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_cuda:
-        return F.linear(x, w, bias)
-    if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype != w.dtype:
-        return F.linear(x, w)
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    """kernels.reference.linear (x @ w^T + bias in w's dtype) for x [T, K]: for 1 to 16 rows
+    on CUDA without a bias, the fastest of cuBLAS and the kernels above at this shape (tuned
+    on first use); a float32 w takes 16-bit rows without a cast of its own."""
+    mixed = x.dtype != w.dtype
+    if (bias is not None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_cuda
+            or x.stride(1) != 1 or w.stride(1) != 1
+            or (mixed and x.dtype not in MIXED.get(w.dtype, ()))):  # fmt: skip
+        return F.linear(x.to(w.dtype) if mixed else x, w, bias)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype, device=x.device)
     return SELECTOR(x, w, out)

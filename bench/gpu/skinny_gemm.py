@@ -24,9 +24,9 @@ from bench.gpu.ceilings import measure
 from bench.gpu.sections import Sections, script_parser
 from bench.gpu.timing import queued_ms
 from kernels.skinny_linear import (
-    DOT_CONFIGS,
-    FMA_CONFIGS,
+    DOT_SWEEP,
     FMA_MAX_ROWS,
+    FMA_SWEEP,
     MAX_PRODUCTS,
     skinny_dot,
     skinny_fma,
@@ -36,7 +36,7 @@ V2_LITE = {"qkv_a": (3648, 2048), "o": (2048, 2048), "shared_gate_up": (5632, 20
            "shared_down": (2048, 2816), "lm_head": (102400, 2048)}  # fmt: skip
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
             "down": (4096, 14336)}  # fmt: skip
-KERNELS = {"fma": (skinny_fma, FMA_CONFIGS), "dot": (skinny_dot, DOT_CONFIGS)}
+KERNELS = {"fma": (skinny_fma, FMA_SWEEP), "dot": (skinny_dot, DOT_SWEEP)}
 GPU = dict(shapes={**{f"v2_lite/{k}": v for k, v in V2_LITE.items()},
                    **{f"llama3_8b/{k}": v for k, v in LLAMA_8B.items()}},
            rows=(1, 4, 16), kernels=KERNELS, dtype=torch.bfloat16)  # fmt: skip

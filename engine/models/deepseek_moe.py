@@ -10,7 +10,6 @@ then pick the same way in bf16 as in float32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from basis.model_config import ModelConfig
@@ -36,7 +35,7 @@ class DeepseekMoE(SparseMoE):
         self.shared_experts = MLP(config.hidden_size, width) if width else None
 
     def route(self, x):
-        logits = self.skewed(F.linear(x.float(), self.gate))
+        logits = self.skewed(ops.linear(x, self.gate))  # float32, as the gate is
         if self.greedy:  # V2 greedy: the plain softmax top-k, never renormalised
             weights, ids = ops.moe_route(logits, self.top_k, False)
             return (weights * self.scaling if self.scaling != 1.0 else weights), ids

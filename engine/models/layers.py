@@ -49,7 +49,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, positions, cos_sin, cache, meta, backend: AttentionBackend):
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -58,7 +58,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary_cache_write(q, k, v, positions, cos_sin, cache, meta.slot_mapping)
         o = backend.attend(q, k, v, cache, meta, self.scale)
-        return comm.tp_reduce(F.linear(o.reshape(-1, self.q_size), self.o_proj))
+        return comm.tp_reduce(ops.linear(o.reshape(-1, self.q_size), self.o_proj))
 
 
 class MLP(nn.Module):
@@ -68,7 +68,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, width))
 
     def forward(self, x):
-        out = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
         return comm.tp_reduce(out)
 
 

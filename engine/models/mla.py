@@ -67,10 +67,10 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q_a, kv_a = F.linear(x, self.fused_qkv_a_proj).split(
+        q_a, kv_a = ops.linear(x, self.fused_qkv_a_proj).split(
             [self.q_in, self.rank + self.rope_dim], dim=-1
         )
-        q = q_a if self.q_lora_rank is None else F.linear(self.q_a_layernorm(q_a), self.q_b_proj)
+        q = q_a if self.q_lora_rank is None else ops.linear(self.q_a_layernorm(q_a), self.q_b_proj)
         q = q.view(-1, self.num_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(kv_a[:, : self.rank])
@@ -83,7 +83,7 @@ class MLAttention(nn.Module):
         else:
             q = torch.cat([q_nope, q_pe], dim=-1)
             out = self._expanded(q, latent, k_pe, cache, meta, backend)
-        return comm.tp_reduce(F.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj))
+        return comm.tp_reduce(ops.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj))
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank]: views of kv_b_proj."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import reference
 from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, skinny_dot, skinny_fma
 
 CASES = [(1, 37, 70), (3, 20, 130), (4, 9, 33)]  # rows, N, K
@@ -40,6 +41,19 @@ def test_skinny_kernels_write_a_float32_output_and_strided_rows():
     assert torch.allclose(out, want, atol=1e-5) and not wide[:, :3].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rows_against_a_float32_weight(dtype):
+    # A router kept in float32 takes the model's 16-bit hidden states with no cast of its own.
+    x, w, _ = inputs(3, 24, 70, torch.float32, seed=4)
+    x = x.to(dtype)
+    want = x.float() @ w.T
+    for fn, cfg in ((skinny_fma, FMA_CONFIGS[1]), (skinny_dot, DOT_CONFIGS[0])):
+        out = torch.empty(3, 24)
+        assert torch.allclose(fn(x, w, out, **cfg), want, atol=1e-5), fn.__name__
+    assert torch.allclose(reference.linear(x, w), want, atol=1e-5)
+    assert reference.linear(x, w).dtype == torch.float32
+
+
 def test_bad_inputs_raise_value_error():
     x, w, _ = inputs(2, 8, 16, torch.float32, seed=2)
     cfg = FMA_CONFIGS[0]
@@ -48,7 +62,7 @@ def test_bad_inputs_raise_value_error():
         lambda: skinny_dot(torch.zeros(17, 16), w, torch.zeros(17, 8), **cfg),
         lambda: skinny_fma(x, w[:, :15], torch.zeros(2, 8), **cfg),
         lambda: skinny_fma(x, w, torch.zeros(2, 7), **cfg),
-        lambda: skinny_fma(x.half(), w, torch.zeros(2, 8), **cfg),
+        lambda: skinny_fma(x, w.half(), torch.zeros(2, 8), **cfg),
         lambda: skinny_fma(x, w.t().contiguous().t(), torch.zeros(2, 8), **cfg),
     ]
     for call in bad:
