@@ -38,10 +38,15 @@ def mla_rotary_cache_write(
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q_pe [T, H, R] and k_pe [T, 1, R] (neox layout out, also for interleaved
-    input), stores [latent [T, C] | rotated k_pe] at each token's cache slot. Returns the
-    rotated (q_pe, k_pe), new tensors: the op is idempotent, so a tuner may time it."""
+    input), stores [latent [T, C] | rotated k_pe] at each token's cache slot (the latent
+    RMS-normalised first where norm_weight is given). Returns the rotated (q_pe, k_pe), new
+    tensors: the op is idempotent, so a tuner may time it."""
+    if norm_weight is not None:
+        latent = reference.rms_norm(latent, norm_weight, eps)
     if interleaved:
         q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
     q_rot, k_rot = reference.apply_rotary(q_pe, k_pe, positions, cos_sin)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm import _normalize
 from kernels.rotary import FLOAT_DTYPES, INDEX_DTYPES
 from kernels.selection import Selector, next_power_of_2
 
@@ -47,10 +48,11 @@ def _rotate_rows(ptr, rows_offs, mask, d, cos, sin, HALF, INTERLEAVED: tl.conste
 @triton.jit
 def _mla_rotary_kernel(
     q_ptr, k_ptr, latent_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr,
-    stride_qt, stride_qh, stride_kt, stride_lt, stride_cs,
-    n_heads, HALF, LATENT,
+    norm_w_ptr, stride_qt, stride_qh, stride_kt, stride_lt, stride_cs,
+    n_heads, HALF, LATENT, eps,
     ENTRY: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -86,14 +88,18 @@ def _mla_rotary_kernel(
             cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
             c = tl.arange(0, BLOCK_C)
             latent = tl.load(latent_ptr + t * stride_lt + c, mask=c < LATENT, other=0.0)
+            if NORM:  # the latent's RMSNorm, as kernels.norm computes it
+                row = latent.to(tl.float32)[None, :]
+                normed = _normalize(row, norm_w_ptr, c, c < LATENT, LATENT, eps, dtype)
+                latent = tl.sum(normed, axis=0).to(dtype)  # the one row
             tl.store(entry + c, latent.to(cache_dtype), mask=c < LATENT)
             k_dst = entry + LATENT + one[:, None] + d[None, :]
             tl.store(k_dst, k1.to(cache_dtype), mask=k_mask)
             tl.store(k_dst + HALF, k2.to(cache_dtype), mask=k_mask)
 
 
-def _launch(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved, *,
-            block_heads: int, num_warps: int):  # fmt: skip
+def _launch(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved,
+            norm_weight=None, eps=0.0, *, block_heads: int, num_warps: int):  # fmt: skip
     tokens, n_heads, rope_dim = q_pe.shape
     q_out = torch.empty(tokens, n_heads, rope_dim, dtype=q_pe.dtype, device=q_pe.device)
     k_out = torch.empty(tokens, 1, rope_dim, dtype=k_pe.dtype, device=k_pe.device)
@@ -103,11 +109,13 @@ def _launch(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interle
     half = rope_dim // 2
     _mla_rotary_kernel[(tokens, triton.cdiv(n_heads, block_heads) + 1)](
         q_pe, k_pe, latent, positions, cos_sin, q_out, k_out, cache, slot_mapping,
+        latent if norm_weight is None else norm_weight,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), cos_sin.stride(0),
-        n_heads, half, latent.shape[1],
+        n_heads, half, latent.shape[1], float(eps),
         ENTRY=cache.shape[-1], PAGE_SIZE=cache.shape[2], INTERLEAVED=bool(interleaved),
         BLOCK_HEADS=block_heads, BLOCK_HALF=next_power_of_2(half),
-        BLOCK_C=next_power_of_2(latent.shape[1]), num_warps=num_warps,
+        BLOCK_C=next_power_of_2(latent.shape[1]), NORM=norm_weight is not None,
+        num_warps=num_warps,
     )  # fmt: skip
     return q_out, k_out
 
@@ -120,11 +128,12 @@ _CONFIGS = [
 ]
 
 
-def _bucket(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved):
+def _bucket(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved,
+            norm_weight=None, eps=0.0):  # fmt: skip
     return (
         min(next_power_of_2(q_pe.shape[0]), 1 << 16), q_pe.shape[1], q_pe.shape[2],
         latent.shape[1], str(q_pe.dtype), str(cache.dtype), bool(interleaved),
-    )  # fmt: skip
+    ) + (() if norm_weight is None else ("norm",))  # fmt: skip
 
 
 SELECTOR = Selector("mla_rotary", {"per_token": _launch}, {"per_token": _CONFIGS}, _bucket)
@@ -139,11 +148,14 @@ def mla_rotary_cache_write(
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q_pe [T, H, R] and k_pe [T, 1, R] (any strides, unit last stride), stores
     [latent [T, C] | rotated k_pe] at each slot of cache [num_blocks, 1, block_size, 1,
     C + R]; returns the rotated (q_pe, k_pe), contiguous (see
-    kernels.mla_reference.mla_rotary_cache_write)."""
+    kernels.mla_reference.mla_rotary_cache_write). With norm_weight [C], the latent is
+    stored RMS-normalised (eps), as kernels.norm.rms_norm would make it."""
     if q_pe.dim() != 3 or k_pe.dim() != 3 or k_pe.shape[1] != 1 or latent.dim() != 2:
         shapes = f"{tuple(q_pe.shape)}, {tuple(k_pe.shape)}, {tuple(latent.shape)}"
         raise ValueError(f"expected q_pe [T, H, R], k_pe [T, 1, R], latent [T, C]; got {shapes}")
@@ -171,9 +183,14 @@ def mla_rotary_cache_write(
         if x.shape != (tokens,) or x.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name} must be int32/int64 [{tokens}], got {x.dtype} "
                              f"{tuple(x.shape)}")  # fmt: skip
+    if norm_weight is not None and (norm_weight.shape != (latent.shape[1],)
+                                    or norm_weight.stride(0) != 1):  # fmt: skip
+        raise ValueError(f"norm_weight must be [{latent.shape[1]}] with unit stride, got "
+                         f"{tuple(norm_weight.shape)}")  # fmt: skip
     others = dict(k_pe=k_pe, latent=latent, positions=positions, cos_sin=cos_sin, cache=cache,
-                  slot_mapping=slot_mapping)  # fmt: skip
+                  slot_mapping=slot_mapping, norm_weight=norm_weight)  # fmt: skip
     for name, x in others.items():
-        if x.device != q_pe.device:
+        if x is not None and x.device != q_pe.device:
             raise ValueError(f"{name} is on {x.device}, q_pe on {q_pe.device}")
-    return SELECTOR(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, bool(interleaved))
+    return SELECTOR(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping,
+                    bool(interleaved), norm_weight, float(eps))  # fmt: skip

@@ -82,7 +82,8 @@ def grouped_topk(router_logits, top_k, num_groups, topk_group, renormalize, scal
 
 
 def mla_rotary_cache_write(q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping,
-                           interleaved):  # fmt: skip
+                           interleaved, norm_weight=None, eps=0.0):  # fmt: skip
     return _pick("mla_rotary_cache_write", q_pe)(
-        q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved
-    )
+        q_pe, k_pe, latent, positions, cos_sin, cache, slot_mapping, interleaved, norm_weight,
+        eps,
+    )  # fmt: skip

@@ -27,6 +27,7 @@ from torch import nn
 from basis.model_config import ModelConfig
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.mla_prefix import prefix_latents
+from engine.models.layers import RMSNorm
 from engine.parallel import comm
 from kernels import ops
 
@@ -73,14 +74,20 @@ class MLAttention(nn.Module):
         q = q_a if self.q_lora_rank is None else ops.linear(self.q_a_layernorm(q_a), self.q_b_proj)
         q = q.view(-1, self.num_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(kv_a[:, : self.rank])
         k_pe = kv_a[:, None, self.rank :]
-        q_pe, k_pe = ops.mla_rotary_cache_write(
-            q_pe, k_pe, latent, positions, cos_sin, cache, meta.slot_mapping, self.interleaved
-        )
-        if meta.decode_only:
+        norm = self.kv_a_layernorm
+        if meta.decode_only and isinstance(norm, RMSNorm):
+            # The latent is only cached: normalised by the kernel that writes it.
+            q_pe, k_pe = ops.mla_rotary_cache_write(
+                q_pe, k_pe, kv_a[:, : self.rank], positions, cos_sin, cache, meta.slot_mapping,
+                self.interleaved, norm.weight, norm.eps,
+            )  # fmt: skip
             out = self._absorbed(q_nope, q_pe, cache, meta, backend)
         else:
+            latent = norm(kv_a[:, : self.rank])
+            q_pe, k_pe = ops.mla_rotary_cache_write(
+                q_pe, k_pe, latent, positions, cos_sin, cache, meta.slot_mapping, self.interleaved
+            )
             q = torch.cat([q_nope, q_pe], dim=-1)
             out = self._expanded(q, latent, k_pe, cache, meta, backend)
         return comm.tp_reduce(ops.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj))

@@ -12,6 +12,7 @@ from kernels import mla_reference
 from kernels.mla_decode import MLA_DECODE_CONFIGS, mla_decode_attention, split_kv_mla_decode
 from kernels.mla_extend import mla_extend_attention
 from kernels.mla_rotary import mla_rotary_cache_write
+from kernels.norm import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -126,7 +127,8 @@ def test_extend_matches_reference(page):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rotary_cache_write_matches_reference(dtype, interleaved):
+@pytest.mark.parametrize("normed", [False, True])
+def test_rotary_cache_write_matches_reference(dtype, interleaved, normed):
     tokens, heads, nope, rope, latent_dim, block_size = 6, 5, 6, 8, 20, 4
     q = randn(tokens, heads, nope + rope, seed=1, dtype=dtype)  # q_pe is a view of it
     kv_a = randn(tokens, latent_dim + rope, seed=2, dtype=dtype)  # k_pe too
@@ -137,14 +139,21 @@ def test_rotary_cache_write_matches_reference(dtype, interleaved):
     ref_cache = torch.zeros(6, 1, block_size, 1, latent_dim + rope, dtype=dtype, device=DEVICE)
     cache, before = ref_cache.clone(), q.clone()
     args = (q[..., nope:], kv_a[:, None, latent_dim:], latent, positions, cos_sin)
-    ref_q, ref_k = mla_reference.mla_rotary_cache_write(*args, ref_cache, slots, interleaved)
+    # normed: the decode path's latent, RMS-normalised by the kernel as it is cached
+    norm = (randn(latent_dim, seed=5, dtype=dtype) + 1, 1e-6) if normed else ()
+    ref_q, ref_k = mla_reference.mla_rotary_cache_write(*args, ref_cache, slots, interleaved,
+                                                        *norm)  # fmt: skip
     for _ in range(2):  # idempotent: a tuner may run it many times
-        got_q, got_k = mla_rotary_cache_write(*args, cache, slots, interleaved)
+        got_q, got_k = mla_rotary_cache_write(*args, cache, slots, interleaved, *norm)
     # The interpreter rounds float32 -> bfloat16 by truncation: a few ulps of slack.
     tol = TOLERANCE[dtype] * (3 if dtype == torch.bfloat16 else 1)
     for got, want in ((got_q, ref_q), (got_k, ref_k), (cache, ref_cache)):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(q, before)  # the projection it reads is left as it was
+    if normed:  # the cache holds what the norm kernel would have made of the latent
+        want = rms_norm(latent, *norm)
+        entries = cache.view(-1, latent_dim + rope)[slots, :latent_dim]
+        torch.testing.assert_close(entries.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_interleaved_rotary_keeps_every_score():
