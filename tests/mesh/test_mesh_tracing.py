@@ -64,10 +64,17 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         else:
             ids.append(resp.json()["id"])
 
+    expected = {"gateway.request", "placement", "scheduler.place", "worker.stream",
+                "worker.generate", "queue", "prefill", "decode", "detokenize"}  # fmt: skip
+
     def complete(spans):
+        # Each process exports its spans on its own schedule: wait for every one of them.
+        traces = [_trace_of(spans, rid) for rid in ids]
         return all(
-            sum(1 for s in spans if s.name == "decode" and _trace_of(spans, rid) == s.trace_id) == 1
-            for rid in ids
+            expected <= {s.name for s in spans if s.trace_id == trace} for trace in traces
+        ) and all(
+            sum(1 for s in spans if s.name == "decode" and s.trace_id == trace) == 1
+            for trace in traces
         )
 
     spans = wait_for(receiver, complete)
@@ -77,17 +84,7 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         mine = [s for s in spans if s.trace_id == trace_id]
         by_id = {s.span_id: s for s in mine}
         names = {s.name for s in mine}
-        assert {
-            "gateway.request",
-            "placement",
-            "scheduler.place",
-            "worker.stream",
-            "worker.generate",
-            "queue",
-            "prefill",
-            "decode",
-            "detokenize",
-        } <= names
+        assert expected <= names
         assert {s.service for s in mine} == {
             "yinian-gateway",
             "yinian-scheduler",
