@@ -25,6 +25,7 @@ import triton.language as tl
 from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows, shared_mlp
 from kernels.moe_routing import INDEX_DTYPES, check_load, moe_align
 from kernels.selection import Selector, next_power_of_2
+from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -226,6 +227,8 @@ _selector = Selector(
     _bucket,
     applies={"rows": _few_tokens},
     tune_args=_tune_args,
+    # a candidate whose output parts from the first's (the grouped kernels') is dropped
+    verify=close_outputs(ATTENTION_TOLERANCE),
     revision="s74",  # the per-pair kernels are new candidates for a few tokens
 )
 

@@ -76,14 +76,15 @@ def _rows_gate_up_kernel(
                 tl.atomic_add(load_ptr + expert, 1, mask=valid, sem="relaxed")
         token = (pair // TOP_K).to(tl.int64)
         base = w_ptr + tl.where(valid, expert, 0) * stride_we
-        row_stride = stride_wn.to(tl.int64)
+        # (a stride of 1 would arrive as a constexpr: built as a tensor on both branches)
+        row_stride = tl.full([], 0, tl.int64) + stride_wn
     else:
         CHUNKS: tl.constexpr = N_SHARED + (N_SHARED == 0)  # never 0 (no shared: unused)
         token = ((pair - num_routed) // CHUNKS).to(tl.int64)
         chunk = ((pair - num_routed) % CHUNKS).to(tl.int64)
         valid = pair >= 0
         base = s_ptr + chunk * WIDTH * HIDDEN
-        row_stride = stride_wn.to(tl.int64) * 0 + HIDDEN
+        row_stride = tl.full([], HIDDEN, tl.int64)
     # up rows follow the gate rows: WIDTH of an expert's, N_SHARED * WIDTH of the shared one's
     up_offset = tl.where(pair < num_routed, WIDTH, N_SHARED * WIDTH) * row_stride
     g_ptrs = base + cols[:, None] * row_stride + offs_k[None, :]

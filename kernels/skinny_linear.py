@@ -152,7 +152,7 @@ def _torch_mm(x, w, out):
 
 
 def _bucket(x, w, out):
-    return (next_power_of_2(x.shape[0]), w.shape[0], w.shape[1], str(x.dtype), str(out.dtype))
+    return (next_power_of_2(x.shape[0]), w.shape[0], x.shape[1], str(x.dtype), str(out.dtype))
 
 
 def _fma_suits(config, x, w, out) -> bool:
@@ -175,9 +175,11 @@ SELECTOR = Selector(
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.reference.linear (x @ w^T + bias in w's dtype) for x [T, K]: for 1 to 16 rows
     on CUDA without a bias, the fastest of cuBLAS and the kernels above at this shape (tuned
-    on first use); a float32 w takes 16-bit rows without a cast of its own."""
+    on first use); a float32 w takes 16-bit rows without a cast of its own. Anything else
+    (shapes that do not fit included: torch's error) goes to F.linear."""
     mixed = x.dtype != w.dtype
     if (bias is not None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_cuda
+            or w.dim() != 2 or w.shape[1] != x.shape[1] or w.device != x.device
             or x.stride(1) != 1 or w.stride(1) != 1
             or (mixed and x.dtype not in MIXED.get(w.dtype, ()))):  # fmt: skip
         return F.linear(x.to(w.dtype) if mixed else x, w, bias)

@@ -75,19 +75,19 @@ class MLAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         k_pe = kv_a[:, None, self.rank :]
-        norm = self.kv_a_layernorm
-        if meta.decode_only and isinstance(norm, RMSNorm):
-            # The latent is only cached: normalised by the kernel that writes it.
-            q_pe, k_pe = ops.mla_rotary_cache_write(
-                q_pe, k_pe, kv_a[:, : self.rank], positions, cos_sin, cache, meta.slot_mapping,
-                self.interleaved, norm.weight, norm.eps,
-            )  # fmt: skip
+        norm, latent = self.kv_a_layernorm, kv_a[:, : self.rank]
+        # A decode step only caches the latent: a plain RMSNorm is then applied by the
+        # kernel that writes it.
+        fused = meta.decode_only and type(norm) is RMSNorm
+        if not fused:
+            latent = norm(latent)
+        q_pe, k_pe = ops.mla_rotary_cache_write(
+            q_pe, k_pe, latent, positions, cos_sin, cache, meta.slot_mapping, self.interleaved,
+            *((norm.weight, norm.eps) if fused else ()),
+        )  # fmt: skip
+        if meta.decode_only:
             out = self._absorbed(q_nope, q_pe, cache, meta, backend)
         else:
-            latent = norm(kv_a[:, : self.rank])
-            q_pe, k_pe = ops.mla_rotary_cache_write(
-                q_pe, k_pe, latent, positions, cos_sin, cache, meta.slot_mapping, self.interleaved
-            )
             q = torch.cat([q_nope, q_pe], dim=-1)
             out = self._expanded(q, latent, k_pe, cache, meta, backend)
         return comm.tp_reduce(ops.linear(out.reshape(-1, self.num_heads * self.v_dim), self.o_proj))

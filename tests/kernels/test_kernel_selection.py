@@ -310,6 +310,26 @@ def test_configs_that_do_not_suit_the_inputs_are_neither_tuned_nor_chosen(fresh_
     assert sel.choose(torch.ones(2)) == Candidate("tiled", (("tile", 1),)) and timed == [1]
 
 
+def test_a_rule_of_one_variant_leaves_the_others_suiting_every_input(fresh_cache):
+    timed: list = []
+
+    def narrow(x, tile):
+        timed.append(("narrow", tile))
+        return x * 1
+
+    def wide(x):
+        timed.append(("wide",))
+        return x * 1
+
+    sel = Selector(
+        "rules", {"narrow": narrow, "wide": wide}, {"narrow": [{"tile": 2}, {"tile": 4}]},
+        bucket=lambda x: (x.shape[0],), timer=lambda fn: [fn(), 1.0][1], tune_on_cpu=True,
+        applies={"narrow": lambda config, x: config["tile"] <= x.shape[0]},
+    )  # fmt: skip
+    sel.choose(torch.ones(3))
+    assert timed == [("narrow", 2), ("wide",)]  # the 4-wide tile does not suit 3 rows
+
+
 def test_tuning_runs_on_the_inputs_tune_args_gives(fresh_cache):
     # An operator that adds into an argument: tuning runs every candidate (several times),
     # the caller's counter must see one call's worth.

@@ -285,15 +285,29 @@ def test_fused_moe_adds_a_shared_expert(shared_width, dtype):
     # A DeepSeek layer's shared experts, inside the per-pair kernels (a shared width that
     # is a multiple of the routed one) or beside them, and in the grouped variant.
     x, w13, w2, logits = moe_inputs(3, 8, 3, 48, 40, dtype, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    shared = (torch.randn(2 * shared_width, 48, generator=gen).to(dtype) / 7,
-              torch.randn(48, shared_width, generator=gen).to(dtype) / 9)  # fmt: skip
+    shared = (randn(2 * shared_width, 48, dtype=dtype, seed=12, scale=1 / 7),
+              randn(48, shared_width, dtype=dtype, seed=13, scale=1 / 9))  # fmt: skip
     weights, ids = moe_route(logits, 3, renormalize=True)
     want = reference.fused_moe(x, w13, w2, weights, ids, None, shared)
     assert not torch.allclose(want, reference.fused_moe(x, w13, w2, weights, ids), atol=0.05)
+    counted = torch.bincount(ids.reshape(-1), minlength=8)
     for config in ROWS_CONFIGS[:2]:
-        assert_close(fused_moe_rows(x, w13, w2, weights, ids, None, shared, **config), want)
-    assert_close(fused_moe(x, w13, w2, weights, ids, None, shared), want)
+        load = torch.zeros(8, dtype=torch.int64)  # counted beside the shared expert's pairs
+        assert_close(fused_moe_rows(x, w13, w2, weights, ids, load, shared, **config), want)
+        assert torch.equal(load, counted)
+    load = torch.zeros(8, dtype=torch.int64)
+    assert_close(fused_moe(x, w13, w2, weights, ids, load, shared), want)
+    assert torch.equal(load, counted)
+
+
+def test_moe_align_counts_the_load_across_programs():
+    # More pairs than one program aligns: the histogram kernel's programs each add theirs.
+    ids = randint(0, 7, (700, 2), seed=3)
+    load = torch.full((7,), 2, dtype=torch.int64)
+    sorted_ids, _, _ = moe_align(ids, 7, 16, load)
+    assert ids.numel() > moe_routing.ONE_PROGRAM_PAIRS
+    assert torch.equal(load, torch.bincount(ids.reshape(-1), minlength=7) + 2)
+    assert sorted(sorted_ids[sorted_ids < ids.numel()].tolist()) == list(range(ids.numel()))
 
 
 def test_fused_moe_rows_ignore_ids_out_of_range():

@@ -11,12 +11,21 @@ from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, skinny_dot, skinny_f
 
 CASES = [(1, 37, 70), (3, 20, 130), (4, 9, 33)]  # rows, N, K
 DTYPES = [torch.float32, torch.float16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def on_device():
+    """Tensors the tests make land on DEVICE (random ones drawn on the CPU, then moved)."""
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device("cpu")
 
 
 def inputs(rows, n, k, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, device="cpu").to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen, device="cpu") / k**0.5).to(DEVICE, dtype)
     return x, w, (x.float() @ w.float().T)
 
 
