@@ -35,7 +35,13 @@ def test_chosen_blocks_land_in_chosen_slots(dtype, programs):
 def test_refuses_what_it_cannot_serve_before_moving_anything():
     caches = _caches(torch.float32)
     host = torch.zeros((5, len(caches), *caches[0].shape[1:]))
-    separate = [c.clone() for c in caches]  # not one allocation's layers
+    # Layers not at one fixed distance (separate clones may land evenly spaced by chance,
+    # which the kernel could serve): uneven offsets into one buffer, deterministically.
+    size = caches[0].numel()
+    buffer = torch.zeros(3 * size + 64)
+    separate = [buffer[o : o + size].view(caches[0].shape) for o in (0, size + 8, 2 * size + 40)]
+    for layer, cache in zip(separate, caches):
+        layer.copy_(cache)
     assert layer_stride(separate) is None and not usable(separate, host)
     with pytest.raises(ValueError, match="one allocation"):
         blocks_to_host(separate, host, torch.tensor([1]), torch.tensor([1]))
