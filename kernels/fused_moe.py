@@ -19,10 +19,12 @@ run together and share its weight tiles in L2. Rounding steps follow
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows, shared_mlp
+from kernels.activation import silu_and_mul
+from kernels.fused_moe_rows import ROWS_CONFIGS, ROWS_MAX_TOKENS, fused_moe_rows
 from kernels.moe_routing import INDEX_DTYPES, check_load, moe_align
 from kernels.selection import Selector, next_power_of_2
 from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
@@ -132,19 +134,13 @@ def _down_kernel(
 
 
 def _launch(
-    x, w13, w2, topk_weights, topk_ids, load=None, shared=None, *,
+    x, w13, w2, topk_weights, topk_ids, load=None, *,
     block_m, group_m, block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
 ):  # fmt: skip
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, width = w2.shape[0], w2.shape[2]
     num_pairs = tokens * top_k
-    if shared is not None:
-        routed = _launch(x, w13, w2, topk_weights, topk_ids, load, None, block_m=block_m,
-                         group_m=group_m, block_n1=block_n1, block_k1=block_k1, warps1=warps1,
-                         stages1=stages1, block_n2=block_n2, block_k2=block_k2, warps2=warps2,
-                         stages2=stages2)  # fmt: skip
-        return routed + shared_mlp(x, shared)
     if num_pairs == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     sorted_ids, expert_ids, _ = moe_align(topk_ids, num_experts, block_m, load)
@@ -173,6 +169,15 @@ def _launch(
     if top_k == 1:
         return y
     return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def _grouped(x, w13, w2, topk_weights, topk_ids, load=None, shared=None, **config):
+    """The grouped kernels; a shared expert runs beside them (torch and the SiLU kernel)."""
+    routed = _launch(x, w13, w2, topk_weights, topk_ids, load, **config)
+    if shared is None:
+        return routed
+    gate_up, down = shared
+    return routed + F.linear(silu_and_mul(F.linear(x, gate_up)), down)
 
 
 def _config(block_m, group_m, gemm1, gemm2) -> dict:
@@ -208,10 +213,11 @@ def _bucket(x, w13, w2, topk_weights, topk_ids, load=None, shared=None):
     return bucket if shared is None else (*bucket, "shared", shared[1].shape[1])
 
 
-def _few_tokens(config, x, *rest) -> bool:
+def _rows_suit(config, x, w13, w2, topk_weights, topk_ids, load=None, shared=None) -> bool:
     """The per-pair kernels are tried for a few tokens only (a bucket holds up to a power
-    of two of them)."""
-    return next_power_of_2(x.shape[0]) <= ROWS_MAX_TOKENS
+    of two of them), and with a shared expert only one of whole routed widths."""
+    whole = shared is None or shared[1].shape[1] % w2.shape[2] == 0
+    return whole and next_power_of_2(x.shape[0]) <= ROWS_MAX_TOKENS
 
 
 def _tune_args(args: tuple) -> tuple:
@@ -222,10 +228,10 @@ def _tune_args(args: tuple) -> tuple:
 
 _selector = Selector(
     "fused_moe",
-    {"grouped": _launch, "rows": fused_moe_rows},
+    {"grouped": _grouped, "rows": fused_moe_rows},
     {"grouped": _CONFIGS, "rows": ROWS_CONFIGS},
     _bucket,
-    applies={"rows": _few_tokens},
+    applies={"rows": _rows_suit},
     tune_args=_tune_args,
     # a candidate whose output parts from the first's (the grouped kernels') is dropped
     verify=close_outputs(ATTENTION_TOLERANCE),
@@ -250,7 +256,7 @@ def fused_moe(
     counters expert balancing reads), inside the kernels. shared, if given (gate_up [2S, H]
     gate rows then up rows, down [H, S], contiguous): an always-on expert whose output is
     added (a DeepSeek layer's shared experts), inside the per-pair kernels where S is a
-    multiple of I.
+    multiple of I, beside the grouped ones.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T, H], w13 [E, 2I, H], w2 [E, H, I], got "

@@ -21,11 +21,8 @@ contribute nothing (and are not counted).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.activation import silu_and_mul
 
 
 @triton.jit
@@ -156,11 +153,14 @@ def _rows_down_sum_kernel(
 
 def shared_chunks(shared, width: int) -> int:
     """How many routed-width chunks a shared expert (gate_up [2S, H], down [H, S]) is: S /
-    width, or 0 where it has none or S is not a multiple of the routed width."""
+    width (0 where there is none); raises where S is not a multiple of the routed width."""
     if shared is None:
         return 0
     size = shared[1].shape[1]
-    return size // width if size % width == 0 else 0
+    if size % width:
+        raise ValueError(f"the per-pair kernels take a shared expert whose width is a "
+                         f"multiple of the routed one ({width}), got {size}")  # fmt: skip
+    return size // width
 
 
 def fused_moe_rows(
@@ -170,20 +170,15 @@ def fused_moe_rows(
 ):  # fmt: skip
     """kernels.fused_moe's operator (inputs checked there) as per-pair matrix-vector
     products; load (int64 [E]) gets each expert's pair count added, if given; a shared
-    expert (gate_up [2S, H], down [H, S]) is added as the reference adds it."""
+    expert (gate_up [2S, H], down [H, S], S a multiple of I) is added as the reference
+    adds it."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, width = w2.shape[0], w2.shape[2]
+    chunks = shared_chunks(shared, width)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    chunks = shared_chunks(shared, width)
-    if shared is not None and not chunks:  # widths that do not divide: the MLP apart
-        routed = fused_moe_rows(x, w13, w2, topk_weights, topk_ids, load, None, block_n1=block_n1,
-                                block_k1=block_k1, warps1=warps1, stages1=stages1,
-                                block_n2=block_n2, block_k2=block_k2, warps2=warps2,
-                                stages2=stages2)  # fmt: skip
-        return routed + shared_mlp(x, shared)
     gate_up, down = shared if chunks else (w13, w2)
     act = torch.empty(tokens * (top_k + chunks), width, dtype=x.dtype, device=x.device)
     # Narrow problems get narrower tiles.
@@ -204,12 +199,6 @@ def fused_moe_rows(
         BLOCK_N=block_n2, BLOCK_K=block_k2, num_warps=warps2, num_stages=stages2,
     )  # fmt: skip
     return out
-
-
-def shared_mlp(x, shared) -> torch.Tensor:
-    """A shared expert's output on x: down(silu(gate(x)) * up(x)) (torch and the SiLU kernel)."""
-    gate_up, down = shared
-    return F.linear(silu_and_mul(F.linear(x, gate_up)), down)
 
 
 def _config(gemm1, gemm2) -> dict:

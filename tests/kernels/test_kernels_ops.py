@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from kernels import fused_moe as fused_moe_kernel
 from kernels import moe_routing, reference
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
@@ -280,10 +281,11 @@ def test_fused_moe_rows_kernels_and_the_load_they_count(tokens, experts, top_k, 
 
 
 @pytest.mark.parametrize("dtype", MOE_DTYPES)
-@pytest.mark.parametrize("shared_width", [80, 24])  # two chunks of the routed width; apart
+@pytest.mark.parametrize("shared_width", [80, 24])  # two routed widths; not whole ones
 def test_fused_moe_adds_a_shared_expert(shared_width, dtype):
     # A DeepSeek layer's shared experts, inside the per-pair kernels (a shared width that
-    # is a multiple of the routed one) or beside them, and in the grouped variant.
+    # is a multiple of the routed one; the tuner offers them no other) and beside the
+    # grouped kernels; fused_moe adds them either way.
     x, w13, w2, logits = moe_inputs(3, 8, 3, 48, 40, dtype, seed=11)
     shared = (randn(2 * shared_width, 48, dtype=dtype, seed=12, scale=1 / 7),
               randn(48, shared_width, dtype=dtype, seed=13, scale=1 / 9))  # fmt: skip
@@ -293,11 +295,21 @@ def test_fused_moe_adds_a_shared_expert(shared_width, dtype):
     counted = torch.bincount(ids.reshape(-1), minlength=8)
     for config in ROWS_CONFIGS[:2]:
         load = torch.zeros(8, dtype=torch.int64)  # counted beside the shared expert's pairs
+        if shared_width % 40:  # not whole routed widths: the per-pair kernels refuse it
+            with pytest.raises(ValueError, match="multiple of the routed"):
+                fused_moe_rows(x, w13, w2, weights, ids, load, shared, **config)
+            assert not load.any()  # refused before anything was counted
+            continue
         assert_close(fused_moe_rows(x, w13, w2, weights, ids, load, shared, **config), want)
         assert torch.equal(load, counted)
     load = torch.zeros(8, dtype=torch.int64)
     assert_close(fused_moe(x, w13, w2, weights, ids, load, shared), want)
     assert torch.equal(load, counted)
+    # the tuner times the per-pair kernels only where they take the shared expert
+    args = (x, w13, w2, weights, ids, None, shared)
+    timed = {c.variant for c in fused_moe_kernel._selector.suiting(
+        fused_moe_kernel._selector.candidates, args)}  # fmt: skip
+    assert timed == ({"grouped", "rows"} if shared_width % 40 == 0 else {"grouped"})
 
 
 def test_moe_align_counts_the_load_across_programs():
