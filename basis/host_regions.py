@@ -45,11 +45,11 @@ def remove_stale(folder: Path, prefix: str) -> None:
             pid = int(path.name[len(prefix) :].split("-")[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

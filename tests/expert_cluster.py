@@ -60,10 +60,12 @@ async def _collect(engine: AsyncLLM, prompt, params, request_id: str) -> list[in
     return list(final.outputs[0].token_ids)
 
 
-async def _generate(mesh: Mesh, model: str, prompts, params, fallback: str, options: dict):
+async def _generate(mesh: Mesh, model: str, prompts, params, fallback: str, transport: str,
+                    options: dict):  # fmt: skip
     engine = AsyncLLM.from_model(model, device="cpu", **options)
     control = ExpertControl(engine, model, f"test-worker-{time.monotonic_ns()}",
-                            mesh.scheduler_address, "127.0.0.1", fallback, timeout=5.0)  # fmt: skip
+                            mesh.scheduler_address, "127.0.0.1", fallback, timeout=5.0,
+                            transport=transport)  # fmt: skip
     task = asyncio.create_task(control.run())
     try:
         deadline = time.monotonic() + 30
@@ -73,7 +75,7 @@ async def _generate(mesh: Mesh, model: str, prompts, params, fallback: str, opti
             await asyncio.sleep(0.05)
         outputs = await asyncio.gather(*(_collect(engine, p, params, f"r{i}")
                                          for i, p in enumerate(prompts)))  # fmt: skip
-        return outputs, control.experts.record.snapshot()
+        return outputs, control.experts.record.snapshot() | {"transport": control.group.transport}
     finally:
         task.cancel()
         engine.close()
@@ -83,7 +85,8 @@ async def _generate(mesh: Mesh, model: str, prompts, params, fallback: str, opti
 
 
 def generate_remote(mesh: Mesh, model: str, prompts=PROMPTS, params=GREEDY,
-                    fallback: str = "replicas", **options):  # fmt: skip
+                    fallback: str = "replicas", transport: str = "auto", **options):  # fmt: skip
     """Token ids of each prompt from an engine whose experts run on `mesh`'s
-    expert services, and the worker's expert traffic totals."""
-    return asyncio.run(_generate(mesh, model, prompts, params, fallback, options))
+    expert services, and the worker's expert traffic totals (and the transport
+    its group took)."""
+    return asyncio.run(_generate(mesh, model, prompts, params, fallback, transport, options))

@@ -1,6 +1,7 @@
 """An expert service's data path: one thread per worker group it joined, each
 receiving that worker's dispatches, computing them and answering, until the
-worker leaves or the group breaks (a peer died, the worker aborted it)."""
+worker leaves or the group breaks (a peer died, the worker aborted it). A
+group is a collective one (gloo/NCCL) or the worker's mailbox on this host."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import time
 
 import torch
 
+from services.common.errors import FailedPrecondition
 from services.expert.expert_store import ExpertStore
 from services.expert_parallel import metrics
+from services.expert_parallel.mailbox import MailboxError, MemberMailbox
 from services.expert_parallel.wire import MemberPort, row_bytes, unpack
 from services.kv_transport.nccl_group import (
     FOREVER,
@@ -21,7 +24,7 @@ from services.kv_transport.nccl_group import (
 )
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "shared")
 
 
 class GroupServer:
@@ -30,7 +33,7 @@ class GroupServer:
         self.store, self.expert_id, self.host = store, expert_id, host
         self.model, self.hidden_size = model, hidden_size
         self._threads: dict[str, threading.Thread] = {}
-        self._groups: dict[str, object] = {}  # group id -> its process group, while served
+        self._groups: dict[str, object] = {}  # group id -> what ends it, while served
         self._lock = threading.Lock()
 
     @property
@@ -50,12 +53,23 @@ class GroupServer:
             raise ValueError(f"hidden size {request.hidden_size} != {self.hidden_size}")
         if request.model and self.model and request.model != self.model:
             raise ValueError(f"the worker serves {request.model}, this service {self.model}")
-        if not request.store_host or not request.store_port:
+        if request.backend == "shared":
+            if not request.mailbox:
+                raise ValueError("a shared Join needs the worker's mailbox")
+        elif not request.store_host or not request.store_port:
             raise ValueError("a Join needs the rendezvous store's host and port")
 
     def join(self, request) -> None:
+        """Starts serving the group; a mailbox is mapped here, so a worker on another
+        host (or GPU this process cannot see) learns at once (FailedPrecondition)."""
         self.check(request)
-        thread = threading.Thread(target=self._serve, args=(request,), daemon=True,
+        mailbox = None
+        if request.backend == "shared":
+            try:
+                mailbox = MemberMailbox(request.mailbox, self.store.device)
+            except MailboxError as exc:
+                raise FailedPrecondition(str(exc)) from exc
+        thread = threading.Thread(target=self._serve, args=(request, mailbox), daemon=True,
                                   name=f"expert-group-{request.group_id}")  # fmt: skip
         with self._lock:
             self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
@@ -67,22 +81,29 @@ class GroupServer:
         with self._lock:
             return sum(t.is_alive() for t in self._threads.values())
 
-    def _serve(self, request) -> None:
-        try:
-            client = store_client(request.store_host, request.store_port,
-                                  request.timeout_seconds or 30.0)  # fmt: skip
-            # A member waits as long as the worker is idle; a dead peer ends the
-            # wait at once (its connections close), not a timeout.
-            pg = make_group(request.backend, client, request.rank, FOREVER.total_seconds(),
-                            self.host, request.world_size)  # fmt: skip
-        except Exception as exc:
-            logger.warning("could not join group %s: %s", request.group_id, exc)
-            return
-        with self._lock:
-            self._groups[request.group_id] = pg
-        device = self.store.device
-        port = MemberPort(pg, request.world_size, request.rank, device,
+    def _connect(self, request):
+        """(the port, what ends it) of a collective group: joins its rendezvous."""
+        client = store_client(request.store_host, request.store_port,
+                              request.timeout_seconds or 30.0)  # fmt: skip
+        # A member waits as long as the worker is idle; a dead peer ends the
+        # wait at once (its connections close), not a timeout.
+        pg = make_group(request.backend, client, request.rank, FOREVER.total_seconds(),
+                        self.host, request.world_size)  # fmt: skip
+        port = MemberPort(pg, request.world_size, request.rank, self.store.device,
                           row_bytes(self.store.dtype, self.hidden_size))  # fmt: skip
+        return port, lambda: abort_group(pg)
+
+    def _serve(self, request, mailbox: MemberMailbox | None) -> None:
+        if mailbox is not None:
+            port, end = mailbox, mailbox.close
+        else:
+            try:
+                port, end = self._connect(request)
+            except Exception as exc:
+                logger.warning("could not join group %s: %s", request.group_id, exc)
+                return
+        with self._lock:
+            self._groups[request.group_id] = end
         labels = {"expert_id": self.expert_id}
         logger.info("serving group %s as rank %d of %d", request.group_id, request.rank,
                     request.world_size)  # fmt: skip
@@ -105,15 +126,15 @@ class GroupServer:
         finally:
             with self._lock:
                 self._groups.pop(request.group_id, None)
-            abort_group(pg)
+            end()
 
     def close(self, timeout: float = 5.0) -> None:
         """Aborts every group (their waits end) and joins the threads: a thread still
         inside a collective when the interpreter exits would abort the process."""
         with self._lock:
-            groups, threads = list(self._groups.values()), list(self._threads.values())
-        for pg in groups:
-            abort_group(pg)
+            ends, threads = list(self._groups.values()), list(self._threads.values())
+        for end in ends:
+            end()
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,6 +1,8 @@
 """A worker's expert control plane (asyncio, beside the engine thread): polls
 the scheduler's expert balancer for the placement, forms the data-path group
-with its members (hands each the rendezvous over gRPC `Join`), installs
+with its members (hands each over gRPC `Join` its mailbox, where every
+member can map one (`transport` auto or shared), else the rendezvous of a
+collective group), installs
 group and placement in the engine's `RemoteExperts` (switched at the next
 step boundary), and answers a failed group: members that do not answer a
 health check are reported lost, and a group of the others is formed at once
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,24 +26,29 @@ from services.common.channels import OPTIONS, WorkerChannels
 from services.common.telemetry import tracer
 from services.common.tls import aio_channel
 from services.expert_parallel.group import ExpertGroup, Rendezvous, model_tag
+from services.expert_parallel.mailbox import MailboxPort
 from services.expert_parallel.placement import Placement
 from services.expert_parallel.remote import RemoteExperts
 
 logger = logging.getLogger(__name__)
 FALLBACKS = ("replicas", "local")
+TRANSPORTS = ("auto", "shared", "collective")
 
 
 class ExpertControl:
     def __init__(self, engine, model: str, worker_id: str, balancer: str, host: str,
                  fallback: str = "replicas", timeout: float = 5.0, poll_interval: float = 0.25,
-                 tls=None):  # fmt: skip
+                 tls=None, transport: str = "auto"):  # fmt: skip
         if fallback not in FALLBACKS:
             raise ValueError(f"expert fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"expert transport must be one of {TRANSPORTS}, got {transport!r}")
         config = ModelConfig.from_pretrained(model)
         if not config.is_moe:
             raise ValueError(f"{model} has no MoE layers to serve from expert services")
         self.engine, self.worker_id, self.host = engine, worker_id, host
         self.fallback, self.timeout, self.poll_interval = fallback, timeout, poll_interval
+        self.transport = transport
         self.tag, self.hidden = model_tag(model), config.hidden_size
         facts = engine.facts
         ranks = getattr(facts, "tensor_parallel_size", 1) * getattr(
@@ -108,31 +116,56 @@ class ExpertControl:
                     len(placement.members))  # fmt: skip
 
     async def _form(self, placement: Placement) -> ExpertGroup:
-        members = placement.members
-        rendezvous = Rendezvous.open(self.host, len(members) + 1, self.backend_name, self.timeout)
-        forming = asyncio.create_task(asyncio.to_thread(
-            ExpertGroup.form, rendezvous, members, self.timeout, self.device))  # fmt: skip
-        dtype = str(self.dtype).removeprefix("torch.")
+        if self.transport != "collective":
+            try:
+                return await self._form_shared(placement)
+            except RuntimeError as exc:
+                if self.transport == "shared":
+                    raise
+                logger.info("expert services over collectives: %s", str(exc)[:200])
+        return await self._form_collective(placement)
+
+    async def _join_all(self, members, request_of) -> dict[str, BaseException]:
+        """Join on every member at once; those that refused, with why."""
         joins = [
             self.channels.stub(m.address, expert_pb2_grpc.ExpertStub).Join(
-                expert_pb2.JoinRequest(
-                    group_id=rendezvous.group_id,
-                    store_host=self.host,
-                    store_port=rendezvous.port,
-                    rank=rank,
-                    world_size=len(members) + 1,
-                    backend=self.backend_name,
-                    dtype=dtype,
-                    hidden_size=self.hidden,
-                    model=self.tag,
-                    timeout_seconds=self.timeout,
-                ),  # fmt: skip
-                timeout=self.timeout,
+                request_of(rank), timeout=self.timeout
             )
             for rank, m in enumerate(members, start=1)
         ]
         results = await asyncio.gather(*joins, return_exceptions=True)
-        refused = {m.expert_id: r for m, r in zip(members, results) if isinstance(r, BaseException)}
+        return {m.expert_id: r for m, r in zip(members, results) if isinstance(r, BaseException)}
+
+    def _join_request(self, rank: int, world: int, **fields) -> expert_pb2.JoinRequest:
+        return expert_pb2.JoinRequest(
+            rank=rank, world_size=world, dtype=str(self.dtype).removeprefix("torch."),
+            hidden_size=self.hidden, model=self.tag, timeout_seconds=self.timeout, **fields,
+        )  # fmt: skip
+
+    async def _form_shared(self, placement: Placement) -> ExpertGroup:
+        """Every member maps a mailbox this worker makes (same host), or none does."""
+        members = placement.members
+        port = await asyncio.to_thread(MailboxPort, len(members), self.dtype, self.hidden,
+                                       self.device, self.timeout)  # fmt: skip
+        group_id = uuid.uuid4().hex[:12]
+        refused = await self._join_all(members, lambda rank: self._join_request(
+            rank, len(members) + 1, group_id=group_id, backend="shared",
+            mailbox=port.description(rank)))  # fmt: skip
+        if refused:
+            port.close()  # the members that did map theirs see it closed and stop
+            first = next(iter(refused.values()))
+            raise RuntimeError(f"expert services {sorted(refused)} cannot map this worker's "
+                               f"mailboxes: {first!r}"[:300])  # fmt: skip
+        return ExpertGroup.shared(members, port)
+
+    async def _form_collective(self, placement: Placement) -> ExpertGroup:
+        members = placement.members
+        rendezvous = Rendezvous.open(self.host, len(members) + 1, self.backend_name, self.timeout)
+        forming = asyncio.create_task(asyncio.to_thread(
+            ExpertGroup.form, rendezvous, members, self.timeout, self.device))  # fmt: skip
+        refused = await self._join_all(members, lambda rank: self._join_request(
+            rank, len(members) + 1, group_id=rendezvous.group_id, store_host=self.host,
+            store_port=rendezvous.port, backend=self.backend_name))  # fmt: skip
         if refused:
             # The group cannot form; when the thread's wait ends, drop what it made.
             forming.add_done_callback(lambda t: t.exception() or t.result().close(False))

@@ -2,7 +2,9 @@
 TCPStore rendezvous (rank 0), each member joins at the address the worker
 hands it over gRPC (`Expert.Join`), and the group lives until the member set
 changes or a collective fails (then it is aborted, which ends the members'
-waits at once, and a new one is formed without the dead member)."""
+waits at once, and a new one is formed without the dead member). Members on
+the worker's host may instead open mailboxes the worker made (`shared`:
+services/expert_parallel/mailbox.py), with no rendezvous and no process group."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.expert_parallel.mailbox import MailboxPort
 from services.expert_parallel.placement import Member
 from services.expert_parallel.wire import WorkerPort
 from services.kv_transport.nccl_group import abort_group, make_group
@@ -59,9 +62,9 @@ class ExpertGroup:
     """The worker's end of one formed group."""
 
     members: tuple[Member, ...]
-    pg: object
-    port: WorkerPort
-    rendezvous: Rendezvous
+    pg: object  # None over mailboxes
+    port: WorkerPort | MailboxPort
+    rendezvous: Rendezvous | None
     closed: bool = field(default=False)
 
     @classmethod
@@ -74,6 +77,16 @@ class ExpertGroup:
                         rendezvous.world)  # fmt: skip
         return cls(members, pg, WorkerPort(pg, rendezvous.world, device), rendezvous)
 
+    @classmethod
+    def shared(cls, members: tuple[Member, ...], port: MailboxPort) -> ExpertGroup:
+        """A group whose members opened their mailboxes (no process group)."""
+        port.opened()
+        return cls(members, None, port, None)
+
+    @property
+    def transport(self) -> str:
+        return "shared" if self.pg is None else "collective"
+
     @property
     def member_ids(self) -> tuple[str, ...]:
         return tuple(m.expert_id for m in self.members)
@@ -83,6 +96,9 @@ class ExpertGroup:
         if self.closed:
             return
         self.closed = True
+        if self.pg is None:  # mailboxes: closing is leaving
+            self.port.close()
+            return
         if graceful:
             with contextlib.suppress(Exception):
                 self.port.leave()

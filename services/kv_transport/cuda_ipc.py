@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from basis.host_regions import pid_alive
 from kernels.block_copy import CopyPlan, copy_blocks, make_copy_plan
 from services.kv_transport.base import (
     KvReceiver,
@@ -57,7 +58,7 @@ except ImportError:  # pragma: no cover
 _LOCAL = ("tensor_cls", "storage_cls", "dtype", "storage_device")  # filled in by the sender
 
 
-def _pid_namespace() -> str:
+def pid_namespace() -> str:
     with contextlib.suppress(OSError):
         return os.readlink("/proc/self/ns/pid")
     return ""
@@ -81,26 +82,16 @@ def describe(kv_caches: list[torch.Tensor]) -> dict:
     dev = kv_caches[0].device
     props = torch.cuda.get_device_properties(dev)
     return {
-        "version": 1, "pid": os.getpid(), "pidns": _pid_namespace(),
+        "version": 1, "pid": os.getpid(), "pidns": pid_namespace(),
         "device_uuid": str(getattr(props, "uuid", "")), "device_index": dev.index,
         "dtype": str(kv_caches[0].dtype).removeprefix("torch."),
         "shape": tuple(kv_caches[0].shape), "layers": layers,
     }  # fmt: skip
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class PlainUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"cuda_ipc target names {module}.{name}: refused")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        pass
-    return True
 
 
 def _local_device(uuid: str, index: int) -> int:
@@ -142,7 +133,7 @@ class CudaIpcReceiver(KvReceiver):
     def target(self) -> bytes:
         if self._target is None:  # each reduce_tensor call makes new ref counters: once
             target = pickle.dumps(describe(self.kv_caches))
-            _PlainUnpickler(io.BytesIO(target)).load()  # fails here, not at every sender
+            PlainUnpickler(io.BytesIO(target)).load()  # fails here, not at every sender
             self._target = target
         return self._target
 
@@ -202,9 +193,9 @@ class CudaIpcSender(KvSender):
 
     def begin(self, plan: LayerPlan, target: bytes) -> None:
         try:
-            desc = _PlainUnpickler(io.BytesIO(target)).load()
+            desc = PlainUnpickler(io.BytesIO(target)).load()
             # Its cache died with it: writing there would fault this process's context.
-            if desc["pidns"] == _pid_namespace() and not _alive(desc["pid"]):
+            if desc["pidns"] == pid_namespace() and not pid_alive(desc["pid"]):
                 self._remote.pop(target, None)
                 raise TransferError(f"{plan.request_id}: receiver process is gone")
             if target not in self._remote:

@@ -126,7 +126,7 @@ class WorkerHost:
             self.experts = ExpertControl(
                 self.engine, config.model, config.worker_id, config.scheduler,
                 config.address_host, config.expert_fallback, config.expert_timeout,
-                tls=config.tls_files(),
+                tls=config.tls_files(), transport=config.expert_transport,
             )  # fmt: skip
             self.on_close(self.experts.close)
 

@@ -13,6 +13,7 @@ from engine.cli_args import add_engine_args, engine_options
 from services.common.tls import TlsSettings
 
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
+EXPERT_TRANSPORTS = ("auto", "shared", "collective")
 WRITE_THROUGH = ("none", "selective", "prefix", "all")
 
 
@@ -81,6 +82,14 @@ class WorkerSettings(TlsSettings):
     expert_timeout: float = setting(
         5.0, "seconds an expert all-to-all may take before the step computes its experts here"
     )
+    expert_transport: str = setting(
+        "auto",
+        "how activations reach the expert services: shared (buffers in host shared memory, "
+        "CUDA IPC on the GPU: services on this host only), collective (gloo/NCCL "
+        "all-to-alls), or auto (shared where every service of the group can map them, "
+        "else collective)",
+        choices=EXPERT_TRANSPORTS,
+    )
     engine_options: dict = not_a_flag(dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +106,8 @@ class WorkerSettings(TlsSettings):
             raise ValueError("drain_timeout must be >= 0")
         if self.expert_fallback not in ("replicas", "local") or self.expert_timeout <= 0:
             raise ValueError("expert_fallback must be replicas or local; expert_timeout > 0")
+        if self.expert_transport not in EXPERT_TRANSPORTS:
+            raise ValueError(f"expert_transport must be one of {EXPERT_TRANSPORTS}")
         TlsSettings.__post_init__(self)
         if not self.worker_id:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/expert.proto\x12\tyinian.v1\"\xdd\x01\n\x11\x45xpertServiceInfo\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0b \x01(\t\"9\n\x16RegisterExpertResponse\x12\x1f\n\x17report_interval_seconds\x18\x01 \x01(\x01\",\n\x17\x44\x65registerExpertRequest\x12\x11\n\texpert_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerExpertResponse\"P\n\x0c\x45xpertMember\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\"\xb3\x01\n\x0f\x45xpertPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.yinian.v1.ExpertMember\x12\x18\n\x10slots_per_member\x18\x03 \x01(\r\x12\x16\n\x0enum_moe_layers\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x0f\n\x07phy2log\x18\x06 \x03(\x05\x12\r\n\x05model\x18\x07 \x01(\t\">\n\x10PlacementRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\"4\n\x0bLostExperts\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nexpert_ids\x18\x02 \x03(\t\"D\n\tExpertSet\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rlayer_offsets\x18\x02 \x03(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"@\n\x11\x45xpertSetResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x66reed\x18\x02 \x01(\r\x12\x0c\n\x04held\x18\x03 \x01(\r\"\xc6\x01\n\x0bJoinRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\r\n\x05model\x18\t \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\"\x0e\n\x0cJoinResponse\"\x12\n\x10RebalanceRequest\"n\n\x11RebalanceResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10imbalance_before\x18\x02 \x03(\x01\x12\x17\n\x0fimbalance_after\x18\x03 \x03(\x01\x12\x15\n\rwindow_tokens\x18\x04 \x01(\x04\"\x15\n\x13\x45xpertStatusRequest\"\xab\x01\n\x0c\x45xpertStatus\x12-\n\tplacement\x18\x01 \x01(\x0b\x32\x1a.yinian.v1.ExpertPlacement\x12\x1a\n\x12measured_imbalance\x18\x02 \x03(\x01\x12\x16\n\x0eservice_tokens\x18\x03 \x03(\x01\x12\x0f\n\x07workers\x18\x04 \x03(\t\x12\x12\n\nrebalances\x18\x05 \x01(\x04\x12\x13\n\x0bwindow_load\x18\x06 \x03(\x01\"\x13\n\x11\x45xpertLoadRequest\"\x1c\n\x0eLoadCollection\x12\n\n\x02on\x18\x01 \x01(\x08\"\x82\x01\n\nExpertLoad\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\x04\x12\x12\n\ncollecting\x18\x05 \x01(\x08\x12\x14\n\x0cheld_version\x18\x06 \x01(\x04\x32\xd8\x02\n\x06\x45xpert\x12\x37\n\x04Join\x12\x16.yinian.v1.JoinRequest\x1a\x17.yinian.v1.JoinResponse\x12\x41\n\x0bLoadExperts\x12\x14.yinian.v1.ExpertSet\x1a\x1c.yinian.v1.ExpertSetResponse\x12\x41\n\x0b\x46reeExperts\x12\x14.yinian.v1.ExpertSet\x1a\x1c.yinian.v1.ExpertSetResponse\x12\x44\n\rGetExpertLoad\x12\x1c.yinian.v1.ExpertLoadRequest\x1a\x15.yinian.v1.ExpertLoad\x12I\n\x11SetLoadCollection\x12\x19.yinian.v1.LoadCollection\x1a\x19.yinian.v1.LoadCollection2\xdf\x03\n\x0e\x45xpertBalancer\x12Q\n\x0eRegisterExpert\x12\x1c.yinian.v1.ExpertServiceInfo\x1a!.yinian.v1.RegisterExpertResponse\x12[\n\x10\x44\x65registerExpert\x12\".yinian.v1.DeregisterExpertRequest\x1a#.yinian.v1.DeregisterExpertResponse\x12G\n\x0cGetPlacement\x12\x1b.yinian.v1.PlacementRequest\x1a\x1a.yinian.v1.ExpertPlacement\x12@\n\nReportLost\x12\x16.yinian.v1.LostExperts\x1a\x1a.yinian.v1.ExpertPlacement\x12\x46\n\tRebalance\x12\x1b.yinian.v1.RebalanceRequest\x1a\x1c.yinian.v1.RebalanceResponse\x12J\n\x0fGetExpertStatus\x12\x1e.yinian.v1.ExpertStatusRequest\x1a\x17.yinian.v1.ExpertStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/yinian/v1/expert.proto\x12\tyinian.v1\"\xdd\x01\n\x11\x45xpertServiceInfo\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x08 \x01(\r\x12\x13\n\x0bnum_experts\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0b \x01(\t\"9\n\x16RegisterExpertResponse\x12\x1f\n\x17report_interval_seconds\x18\x01 \x01(\x01\",\n\x17\x44\x65registerExpertRequest\x12\x11\n\texpert_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerExpertResponse\"P\n\x0c\x45xpertMember\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\"\xb3\x01\n\x0f\x45xpertPlacement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.yinian.v1.ExpertMember\x12\x18\n\x10slots_per_member\x18\x03 \x01(\r\x12\x16\n\x0enum_moe_layers\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x0f\n\x07phy2log\x18\x06 \x03(\x05\x12\r\n\x05model\x18\x07 \x01(\t\">\n\x10PlacementRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\"4\n\x0bLostExperts\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nexpert_ids\x18\x02 \x03(\t\"D\n\tExpertSet\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rlayer_offsets\x18\x02 \x03(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"@\n\x11\x45xpertSetResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\r\n\x05\x66reed\x18\x02 \x01(\r\x12\x0c\n\x04held\x18\x03 \x01(\r\"\xd7\x01\n\x0bJoinRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\r\n\x05model\x18\t \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x0f\n\x07mailbox\x18\x0b \x01(\x0c\"\x0e\n\x0cJoinResponse\"\x12\n\x10RebalanceRequest\"n\n\x11RebalanceResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10imbalance_before\x18\x02 \x03(\x01\x12\x17\n\x0fimbalance_after\x18\x03 \x03(\x01\x12\x15\n\rwindow_tokens\x18\x04 \x01(\x04\"\x15\n\x13\x45xpertStatusRequest\"\xab\x01\n\x0c\x45xpertStatus\x12-\n\tplacement\x18\x01 \x01(\x0b\x32\x1a.yinian.v1.ExpertPlacement\x12\x1a\n\x12measured_imbalance\x18\x02 \x03(\x01\x12\x16\n\x0eservice_tokens\x18\x03 \x03(\x01\x12\x0f\n\x07workers\x18\x04 \x03(\t\x12\x12\n\nrebalances\x18\x05 \x01(\x04\x12\x13\n\x0bwindow_load\x18\x06 \x03(\x01\"\x13\n\x11\x45xpertLoadRequest\"\x1c\n\x0eLoadCollection\x12\n\n\x02on\x18\x01 \x01(\x08\"\x82\x01\n\nExpertLoad\x12\x11\n\texpert_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\x04\x12\x12\n\ncollecting\x18\x05 \x01(\x08\x12\x14\n\x0cheld_version\x18\x06 \x01(\x04\x32\xd8\x02\n\x06\x45xpert\x12\x37\n\x04Join\x12\x16.yinian.v1.JoinRequest\x1a\x17.yinian.v1.JoinResponse\x12\x41\n\x0bLoadExperts\x12\x14.yinian.v1.ExpertSet\x1a\x1c.yinian.v1.ExpertSetResponse\x12\x41\n\x0b\x46reeExperts\x12\x14.yinian.v1.ExpertSet\x1a\x1c.yinian.v1.ExpertSetResponse\x12\x44\n\rGetExpertLoad\x12\x1c.yinian.v1.ExpertLoadRequest\x1a\x15.yinian.v1.ExpertLoad\x12I\n\x11SetLoadCollection\x12\x19.yinian.v1.LoadCollection\x1a\x19.yinian.v1.LoadCollection2\xdf\x03\n\x0e\x45xpertBalancer\x12Q\n\x0eRegisterExpert\x12\x1c.yinian.v1.ExpertServiceInfo\x1a!.yinian.v1.RegisterExpertResponse\x12[\n\x10\x44\x65registerExpert\x12\".yinian.v1.DeregisterExpertRequest\x1a#.yinian.v1.DeregisterExpertResponse\x12G\n\x0cGetPlacement\x12\x1b.yinian.v1.PlacementRequest\x1a\x1a.yinian.v1.ExpertPlacement\x12@\n\nReportLost\x12\x16.yinian.v1.LostExperts\x1a\x1a.yinian.v1.ExpertPlacement\x12\x46\n\tRebalance\x12\x1b.yinian.v1.RebalanceRequest\x1a\x1c.yinian.v1.RebalanceResponse\x12J\n\x0fGetExpertStatus\x12\x1e.yinian.v1.ExpertStatusRequest\x1a\x17.yinian.v1.ExpertStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,25 +52,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTSETRESPONSE']._serialized_start=852
   _globals['_EXPERTSETRESPONSE']._serialized_end=916
   _globals['_JOINREQUEST']._serialized_start=919
-  _globals['_JOINREQUEST']._serialized_end=1117
-  _globals['_JOINRESPONSE']._serialized_start=1119
-  _globals['_JOINRESPONSE']._serialized_end=1133
-  _globals['_REBALANCEREQUEST']._serialized_start=1135
-  _globals['_REBALANCEREQUEST']._serialized_end=1153
-  _globals['_REBALANCERESPONSE']._serialized_start=1155
-  _globals['_REBALANCERESPONSE']._serialized_end=1265
-  _globals['_EXPERTSTATUSREQUEST']._serialized_start=1267
-  _globals['_EXPERTSTATUSREQUEST']._serialized_end=1288
-  _globals['_EXPERTSTATUS']._serialized_start=1291
-  _globals['_EXPERTSTATUS']._serialized_end=1462
-  _globals['_EXPERTLOADREQUEST']._serialized_start=1464
-  _globals['_EXPERTLOADREQUEST']._serialized_end=1483
-  _globals['_LOADCOLLECTION']._serialized_start=1485
-  _globals['_LOADCOLLECTION']._serialized_end=1513
-  _globals['_EXPERTLOAD']._serialized_start=1516
-  _globals['_EXPERTLOAD']._serialized_end=1646
-  _globals['_EXPERT']._serialized_start=1649
-  _globals['_EXPERT']._serialized_end=1993
-  _globals['_EXPERTBALANCER']._serialized_start=1996
-  _globals['_EXPERTBALANCER']._serialized_end=2475
+  _globals['_JOINREQUEST']._serialized_end=1134
+  _globals['_JOINRESPONSE']._serialized_start=1136
+  _globals['_JOINRESPONSE']._serialized_end=1150
+  _globals['_REBALANCEREQUEST']._serialized_start=1152
+  _globals['_REBALANCEREQUEST']._serialized_end=1170
+  _globals['_REBALANCERESPONSE']._serialized_start=1172
+  _globals['_REBALANCERESPONSE']._serialized_end=1282
+  _globals['_EXPERTSTATUSREQUEST']._serialized_start=1284
+  _globals['_EXPERTSTATUSREQUEST']._serialized_end=1305
+  _globals['_EXPERTSTATUS']._serialized_start=1308
+  _globals['_EXPERTSTATUS']._serialized_end=1479
+  _globals['_EXPERTLOADREQUEST']._serialized_start=1481
+  _globals['_EXPERTLOADREQUEST']._serialized_end=1500
+  _globals['_LOADCOLLECTION']._serialized_start=1502
+  _globals['_LOADCOLLECTION']._serialized_end=1530
+  _globals['_EXPERTLOAD']._serialized_start=1533
+  _globals['_EXPERTLOAD']._serialized_end=1663
+  _globals['_EXPERT']._serialized_start=1666
+  _globals['_EXPERT']._serialized_end=2010
+  _globals['_EXPERTBALANCER']._serialized_start=2013
+  _globals['_EXPERTBALANCER']._serialized_end=2492
 # @@protoc_insertion_point(module_scope)

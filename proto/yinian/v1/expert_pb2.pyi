@@ -115,7 +115,7 @@ class ExpertSetResponse(_message.Message):
     def __init__(self, loaded: _Optional[int] = ..., freed: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "dtype", "hidden_size", "model", "timeout_seconds")
+    __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "dtype", "hidden_size", "model", "timeout_seconds", "mailbox")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class JoinRequest(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAILBOX_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     store_host: str
     store_port: int
@@ -136,7 +137,8 @@ class JoinRequest(_message.Message):
     hidden_size: int
     model: str
     timeout_seconds: float
-    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    mailbox: bytes
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., mailbox: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ()

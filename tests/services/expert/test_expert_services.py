@@ -1,6 +1,7 @@
-"""MoE experts on expert services, as real processes over gloo: an engine
+"""MoE experts on expert services, as real processes on this host: an engine
 whose routed experts run on 2 or 4 expert services gives the single-process
-engine's greedy tokens (float32), with ping-pong micro-batches off and on, for
+engine's greedy tokens (float32), with ping-pong micro-batches off and on, over
+mailboxes in shared memory (what `auto` takes on one host) and over gloo, for
 Qwen3-MoE, Mixtral and DeepSeek-V3 (shared experts stay on the worker); a
 service of another model is refused."""
 
@@ -54,9 +55,13 @@ def test_tokens_equal_the_single_process_engine_with_ping_pong_off_and_on(cluste
     model, expected = tiny_moe
     whole, whole_stats = generate_remote(cluster, model)
     split, split_stats = generate_remote(cluster, model, **PING_PONG)
+    gloo, gloo_stats = generate_remote(cluster, model, transport="collective", **PING_PONG)
     assert whole == expected
     assert split == expected
-    for stats in (whole_stats, split_stats):
+    assert gloo == expected
+    assert whole_stats["transport"] == split_stats["transport"] == "shared"
+    assert gloo_stats["transport"] == "collective"
+    for stats in (whole_stats, split_stats, gloo_stats):
         # every (token, expert) pair went to a service; none fell back
         assert stats["remote_pairs"] > 0 and stats["local_pairs"] == 0
         assert stats["fallbacks"] == 0

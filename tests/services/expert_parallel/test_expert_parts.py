@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from expert_layer import TOP_K, E, H, MoeStub, moe_weights
 
 from engine.attention import AttentionMetadata
 from engine.micro_batch import MicroBatchPolicy
@@ -19,7 +20,6 @@ from services.expert_parallel.wire import MemberPort, pack, row_bytes, unpack
 from services.kv_transport.nccl_group import abort_group, make_group, store_client
 
 pytestmark = pytest.mark.timeout(60)
-E, H, W, TOP_K = 6, 16, 8, 2
 
 
 def members(n: int) -> tuple[Member, ...]:
@@ -61,16 +61,6 @@ def test_payload_rows_and_expert_ids_survive_packing(dtype):
     assert torch.equal(got_rows, rows) and torch.equal(got_ids, ids)
 
 
-def _weights(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(E, 2 * W, H, generator=g) / 4, torch.randn(E, H, W, generator=g) / 4
-
-
-class _Moe:  # what a backend reads of a SparseMoE
-    def __init__(self, w13, w2):
-        self.w13, self.w2, self.layer_index = w13, w2, 0
-
-
 def _serve_member(rendezvous, rank, world, weights_of, stop_after=None):
     """A member on a thread: receive, compute what it holds, answer."""
     client = store_client("127.0.0.1", rendezvous.port, 10)
@@ -105,7 +95,7 @@ def _group(n, weights, stop_after=None):
 
 
 def test_remote_dispatch_equals_the_fused_moe_bit_for_bit():
-    w13, w2 = _weights()
+    w13, w2 = moe_weights()
     group, threads = _group(2, (w13, w2))
     # every expert on one slot: rows of an expert go to one place, in order
     placement = Placement(1, group.members, 3, torch.tensor([[0, 2, 4, 1, 3, 5]]), E)
@@ -116,7 +106,7 @@ def test_remote_dispatch_equals_the_fused_moe_bit_for_bit():
     x = torch.randn(9, H)
     logits = torch.randn(9, E)
     weights, ids = reference.moe_route(logits, TOP_K, True)
-    moe = _Moe(w13, w2)
+    moe = MoeStub(w13, w2)
     first = experts.dispatch(moe, x, weights, ids)
     second = experts.dispatch(moe, x[:4], weights[:4], ids[:4])  # two in flight
     assert torch.equal(experts.combine(first), reference.fused_moe(x, w13, w2, weights, ids))
@@ -133,7 +123,7 @@ def test_remote_dispatch_equals_the_fused_moe_bit_for_bit():
 def test_replicas_split_an_expert_within_float32_rounding():
     """Pairs of a replicated expert are computed in smaller matmuls on two services:
     the sums may round differently in the last bit, never by more."""
-    w13, w2 = _weights(2)
+    w13, w2 = moe_weights(2)
     group, threads = _group(2, (w13, w2))
     # every expert on both services: each expert's pairs alternate between them
     placement = Placement(1, group.members, 6, torch.arange(E).repeat(2).view(1, -1), E)
@@ -142,7 +132,7 @@ def test_replicas_split_an_expert_within_float32_rounding():
     experts.begin_step()
     x = torch.randn(64, H)
     weights, ids = reference.moe_route(torch.randn(64, E), TOP_K, True)
-    got = experts.combine(experts.dispatch(_Moe(w13, w2), x, weights, ids))
+    got = experts.combine(experts.dispatch(MoeStub(w13, w2), x, weights, ids))
     experts.end_step()
     group.close(graceful=True)
     expected = reference.fused_moe(x, w13, w2, weights, ids)
@@ -153,14 +143,14 @@ def test_replicas_split_an_expert_within_float32_rounding():
 
 
 def test_a_member_that_dies_mid_step_is_computed_locally():
-    w13, w2 = _weights(1)
+    w13, w2 = moe_weights(1)
     group, threads = _group(2, (w13, w2), stop_after=1)
     placement = Placement(1, group.members, 3, torch.tensor([[0, 2, 4, 1, 3, 5]]), E)
     failures = []
     experts = RemoteExperts("w", [0], lambda: failures.append(1))
     experts.install(group, placement)
     experts.begin_step()
-    moe = _Moe(w13, w2)
+    moe = MoeStub(w13, w2)
     x = torch.randn(7, H)
     weights, ids = reference.moe_route(torch.randn(7, E), TOP_K, True)
     expected = reference.fused_moe(x, w13, w2, weights, ids)

@@ -462,7 +462,7 @@ def test_registry_builds_each_transport():
 def test_cuda_ipc_target_loading_refuses_code():
     evil = pickle.dumps({"version": 1, "layers": [os.system]})
     with pytest.raises(pickle.UnpicklingError, match="refused"):
-        cuda_ipc._PlainUnpickler(io.BytesIO(evil)).load()
+        cuda_ipc.PlainUnpickler(io.BytesIO(evil)).load()
     sender = cuda_ipc.CudaIpcSender()
     with pytest.raises(TransferError, match="cannot open"):
         sender.begin(plan("r"), evil)
