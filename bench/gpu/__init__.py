@@ -33,6 +33,7 @@ SCRIPTS = (
     "lend_copy",
     "pinned_cost",
     "experts",
+    "expert_mailbox",
     "parallel",
     "long_streams",
     "speculative",
