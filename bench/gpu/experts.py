@@ -140,12 +140,19 @@ def throughput(streams: int, tokens: int, experts: int) -> dict:
     folder, _ = preset_folder(root, "qwen3-30b-a3b")
     prompts = [[(31 * i + j) % 1000 for j in range(128)] for i in range(streams)]
     out = {}
+    # Each service holds its share of the 128 experts of a layer and 12.5 % spare slots
+    # (the balancer's redundant replicas), not all of them: 4 copies of every expert
+    # (58 GB each) would not fit one GPU. The worker keeps every expert too (it computes
+    # a failed dispatch), so beside the services it leaves them the GPU's other half.
+    slots = -(-128 * 9 // 8 // experts)
     for name, count in (("colocated", 0), ("expert_services", experts)):
+        memory = ["--gpu-memory-utilization", "0.5"] if count else []
         spec = MeshSpec(
             model=str(folder), workers=1, experts=count, port=0,
-            engine_argv=["--load-format", "dummy", "--dtype", "bfloat16"],
+            engine_argv=["--load-format", "dummy", "--dtype", "bfloat16", *memory],
             expert_argv=["--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
-                         "--slots", "128"],
+                         "--slots", str(slots)],
+            scheduler_argv=["--expert-redundant-slots", str(slots * experts - 128)],
         )  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)
         try:
