@@ -5,9 +5,11 @@ CUDA IPC (host shared memory with --device cpu).
 round_trip: per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
 chunk's pairs), the member answers each dispatch with its rows unchanged
 (unpacked: the reply is the activations themselves), the worker checks every
-reply bit for bit, and the time a dispatch takes from send to its reply copied
-out is timed over many dispatches, against the same bytes copied once on the
-device (the payload there and the reply back: the copy ceiling, same run).
+reply bit for bit, and the time a dispatch takes in a run of many back to back
+(send, then wait: the member has answered and the reply's copy is queued on
+the worker's stream; the device is synchronized once at the end, so this is
+what each adds, pipelined), against the same bytes copied once on the device
+(the payload there and the reply back: the copy ceiling, same run).
 On the CPU both processes run one thread (their thread pools, spinning on
 two cores, cost each copy milliseconds).
 
@@ -34,7 +36,7 @@ ROWS = (8, 512, 4096)
 
 _MEMBER = textwrap.dedent("""
     import sys, torch
-    from services.expert_parallel.mailbox import MemberMailbox
+    from services.expert_parallel.mailbox_member import MemberMailbox
     from services.expert_parallel.wire import unpack
     device, hidden = torch.device(sys.argv[2]), int(sys.argv[3])
     dtype = getattr(torch, sys.argv[4])
@@ -107,8 +109,10 @@ def round_trip(device: torch.device, rows_list, repeats: int) -> dict:
             return out
         finally:
             port.close()
-            proc.wait(10)
-            proc.kill()
+            try:
+                proc.wait(10)
+            finally:
+                proc.kill()
 
 
 def main(argv: list[str] | None = None) -> dict:

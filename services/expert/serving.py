@@ -14,7 +14,8 @@ import torch
 from services.common.errors import FailedPrecondition
 from services.expert.expert_store import ExpertStore
 from services.expert_parallel import metrics
-from services.expert_parallel.mailbox import MailboxError, MemberMailbox
+from services.expert_parallel.mailbox import MailboxError
+from services.expert_parallel.mailbox_member import MemberMailbox
 from services.expert_parallel.wire import MemberPort, row_bytes, unpack
 from services.kv_transport.nccl_group import (
     FOREVER,
@@ -33,7 +34,7 @@ class GroupServer:
         self.store, self.expert_id, self.host = store, expert_id, host
         self.model, self.hidden_size = model, hidden_size
         self._threads: dict[str, threading.Thread] = {}
-        self._groups: dict[str, object] = {}  # group id -> what ends it, while served
+        self._groups: dict[str, object] = {}  # group id -> what stops it, while served
         self._lock = threading.Lock()
 
     @property
@@ -82,7 +83,8 @@ class GroupServer:
             return sum(t.is_alive() for t in self._threads.values())
 
     def _connect(self, request):
-        """(the port, what ends it) of a collective group: joins its rendezvous."""
+        """(the port, what stops it from another thread, what ends it) of a collective
+        group: joins its rendezvous."""
         client = store_client(request.store_host, request.store_port,
                               request.timeout_seconds or 30.0)  # fmt: skip
         # A member waits as long as the worker is idle; a dead peer ends the
@@ -91,19 +93,19 @@ class GroupServer:
                         self.host, request.world_size)  # fmt: skip
         port = MemberPort(pg, request.world_size, request.rank, self.store.device,
                           row_bytes(self.store.dtype, self.hidden_size))  # fmt: skip
-        return port, lambda: abort_group(pg)
+        return port, lambda: abort_group(pg), lambda: abort_group(pg)
 
     def _serve(self, request, mailbox: MemberMailbox | None) -> None:
-        if mailbox is not None:
-            port, end = mailbox, mailbox.close
+        if mailbox is not None:  # only this thread closes it (its doorbells)
+            port, stop, end = mailbox, mailbox.stop, mailbox.close
         else:
             try:
-                port, end = self._connect(request)
+                port, stop, end = self._connect(request)
             except Exception as exc:
                 logger.warning("could not join group %s: %s", request.group_id, exc)
                 return
         with self._lock:
-            self._groups[request.group_id] = end
+            self._groups[request.group_id] = stop
         labels = {"expert_id": self.expert_id}
         logger.info("serving group %s as rank %d of %d", request.group_id, request.rank,
                     request.world_size)  # fmt: skip
@@ -132,9 +134,9 @@ class GroupServer:
         """Aborts every group (their waits end) and joins the threads: a thread still
         inside a collective when the interpreter exits would abort the process."""
         with self._lock:
-            ends, threads = list(self._groups.values()), list(self._threads.values())
-        for end in ends:
-            end()
+            stops, threads = list(self._groups.values()), list(self._threads.values())
+        for stop in stops:
+            stop()
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -7,6 +7,8 @@ service of another model is refused."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from expert_cluster import (
     GREEDY,
@@ -19,6 +21,7 @@ from expert_cluster import (
 
 from engine import LLM
 from proto.yinian.v1 import expert_pb2
+from services.expert_parallel.mailbox import MailboxPort
 
 pytestmark = pytest.mark.timeout(240)
 PING_PONG = {"micro_batches": 2, "micro_batch_decode_tokens": 2, "micro_batch_prefill_tokens": 2}
@@ -69,6 +72,23 @@ def test_tokens_equal_the_single_process_engine_with_ping_pong_off_and_on(cluste
     # on one while the worker computes the other's attention
     assert split_stats["dispatches"] > 1.5 * whole_stats["dispatches"]
     assert hidden_seconds(split_stats) > 3 * hidden_seconds(whole_stats)
+
+
+def test_auto_takes_gloo_where_a_service_cannot_map_the_mailbox(cluster, tiny_moe, monkeypatch):
+    """Each service refuses a mailbox it cannot open (FAILED_PRECONDITION, as one on
+    another host would): the worker forms the collective group instead."""
+    model, expected = tiny_moe
+    made = MailboxPort.description
+
+    def elsewhere(self, rank):
+        desc = pickle.loads(made(self, rank))
+        desc["path"] += "-not-on-this-host"
+        return pickle.dumps(desc)
+
+    monkeypatch.setattr(MailboxPort, "description", elsewhere)
+    got, stats = generate_remote(cluster, model)
+    assert got == expected
+    assert stats["transport"] == "collective" and stats["fallbacks"] == 0
 
 
 def assert_refused(mesh, other_model: str) -> None:

@@ -18,7 +18,8 @@ from expert_layer import TOP_K, E, H, MoeStub, moe_weights
 
 from kernels import reference
 from services.expert_parallel.group import ExpertGroup
-from services.expert_parallel.mailbox import MailboxError, MailboxPort, MemberMailbox
+from services.expert_parallel.mailbox import GONE, MailboxError, MailboxPort
+from services.expert_parallel.mailbox_member import MemberMailbox
 from services.expert_parallel.placement import Member, Placement
 from services.expert_parallel.remote import RemoteExperts
 from services.expert_parallel.wire import unpack
@@ -92,7 +93,7 @@ def test_dispatches_over_mailboxes_equal_the_fused_moe(capacity, slots):
 
 _MEMBER = textwrap.dedent("""
     import sys, torch
-    from services.expert_parallel.mailbox import MemberMailbox
+    from services.expert_parallel.mailbox_member import MemberMailbox
     box = MemberMailbox(open(sys.argv[1], "rb").read(), torch.device("cpu"))
     print("open", flush=True)
     while (got := box.receive()) is not None:
@@ -131,6 +132,41 @@ def test_a_killed_member_process_fails_the_dispatch_at_once(tmp_path):
     finally:
         proc.kill()
         port.close()
+
+
+def test_a_member_that_stops_serving_fails_the_dispatch_at_once():
+    """Its loop ended (an error computing, or the service stopping): the worker does
+    not wait out the timeout for a member whose process lives on."""
+    w13, w2 = moe_weights(2)
+    port = MailboxPort(1, torch.float32, H, CPU, timeout=30.0)
+    box = MemberMailbox(port.description(1), CPU)
+    group = ExpertGroup.shared((Member("e0", "127.0.0.1:1"),), port)
+    experts = RemoteExperts("w", [0], lambda: None)
+    experts.install(group, Placement(1, group.members, 6, torch.arange(E).view(1, -1), E))
+    experts.begin_step()
+    moe, x = MoeStub(w13, w2), torch.randn(3, H)
+    weights, ids = reference.moe_route(torch.randn(3, E), TOP_K, True)
+    box.close()  # what its serving thread does last, whatever ended the loop
+    started = time.monotonic()
+    got = experts.combine(experts.dispatch(moe, x, weights, ids))
+    assert time.monotonic() - started < 2.0 and experts.broken
+    assert torch.allclose(got, reference.fused_moe(x, w13, w2, weights, ids))
+    experts.end_step()
+
+
+def test_a_member_stopped_from_another_thread_ends_its_loop():
+    port = MailboxPort(1, torch.float32, H, CPU, timeout=5.0)
+    box = MemberMailbox(port.description(1), CPU)
+    ended = []
+    thread = threading.Thread(target=lambda: ended.append(box.receive()), daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    box.stop()
+    thread.join(2)
+    assert ended == [None]
+    box.close()
+    assert port.boxes[0].control[GONE] == 1  # as the worker sees it
+    port.close()
 
 
 def test_a_mailbox_that_cannot_be_mapped_is_refused():
