@@ -63,6 +63,8 @@ class MemberMailbox:
         path = Path(desc["path"])
         m = map_file(path, size, create=False)
         box = Shared(path, slots, capacity, m, memoryview(m)[:CONTROL_BYTES].cast("q"))
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         self.box, self.device = box, device
         box.open_doorbells()
         if on_host:
