@@ -148,6 +148,10 @@ def test_the_planner_scales_a_running_mesh_up_and_back_down(model_dir, tmp_path)
     run = summary({"results": results, "decisions": decisions, "console": []})
     assert run["failed"] == 0, [r["error"] for r in results if not r["success"]]
     assert all(r["output_tokens"] == 24 for r in results)
-    assert "planner: worker-1 started" in up.output and "planner: worker-2 started" in up.output
+    assert "planner: worker-1 started" in up.output
+    # the third may still be starting when the load falls: then it is the first to go
+    # (a CI run saw 2 -> 3 -> 1 within 3 s), its start cut short by the planner itself
+    assert ("planner: worker-2 started" in up.output
+            or "planner: stopping worker-2" in up.output)  # fmt: skip
     assert "restarting it" not in up.output  # a worker the planner started lives on
     assert run["most_workers"] == 3 and run["last_workers"] == 1
