@@ -2,7 +2,8 @@
 a worker's mailbox port and one member in another process, on the GPU through
 CUDA IPC (host shared memory with --device cpu).
 
-round_trip: per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
+round_trip (and round_trip_no_spin: each end sleeps on its doorbell at once, no
+polling first): per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
 chunk's pairs), the member answers each dispatch with its rows unchanged
 (unpacked: the reply is the activations themselves), the worker checks every
 reply bit for bit, and the time a dispatch takes in a run of many back to back
@@ -42,7 +43,8 @@ _MEMBER = textwrap.dedent("""
     dtype = getattr(torch, sys.argv[4])
     if device.type == "cpu":
         torch.set_num_threads(1)
-    box = MemberMailbox(open(sys.argv[1], "rb").read(), device)
+    spin = None if sys.argv[5] == "default" else float(sys.argv[5])
+    box = MemberMailbox(open(sys.argv[1], "rb").read(), device, spin=spin)
     print("open", flush=True)
     while (got := box.receive()) is not None:
         rows, _ = unpack(got[1], dtype, hidden)
@@ -68,23 +70,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def round_trip(device: torch.device, rows_list, repeats: int) -> dict:
+def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None) -> dict:
+    """spin None: the mailboxes' default (polling before sleeping, on a GPU); 0: each
+    end sleeps on its doorbell at once (what a process's wake-up costs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":  # two processes' thread pools on few cores wait on each other
         torch.set_num_threads(1)
-    port = MailboxPort(1, dtype, HIDDEN, device, timeout=30.0)
+    port = MailboxPort(1, dtype, HIDDEN, device, timeout=30.0, spin=spin)
     with tempfile.TemporaryDirectory() as tmp:
         desc = Path(tmp) / "mailbox"
         desc.write_bytes(port.description(1))
         proc = subprocess.Popen(
             [sys.executable, "-c", _MEMBER, str(desc), str(device), str(HIDDEN),
-             str(dtype).removeprefix("torch.")], stdout=subprocess.PIPE, text=True,
+             str(dtype).removeprefix("torch."), "default" if spin is None else str(spin)],
+            stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             if proc.stdout.readline().strip() != "open":
                 raise RuntimeError("the member could not open its mailbox")
             port.opened()
-            out = {"hidden": HIDDEN, "dtype": str(dtype), "by_rows": []}
+            out = {"hidden": HIDDEN, "dtype": str(dtype), "spin_seconds": port.spin,
+                   "by_rows": []}  # fmt: skip
             for rows in rows_list:
                 x = torch.randn(rows, HIDDEN, device=device).to(dtype)
                 ids = torch.arange(rows, device=device) % 128
@@ -120,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     dry = args.device == "cpu"
     with Sections(args, script="expert_mailbox") as section:
-        section("round_trip", lambda: round_trip(device, ROWS[:2] if dry else ROWS,
-                                                 20 if dry else 500))  # fmt: skip
+        rows, repeats = (ROWS[:2], 20) if dry else (ROWS, 500)
+        section("round_trip", lambda: round_trip(device, rows, repeats, None))
+        section("round_trip_no_spin", lambda: round_trip(device, rows, repeats, 0.0))
         return section.results
 
 

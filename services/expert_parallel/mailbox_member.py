@@ -20,6 +20,7 @@ from services.expert_parallel.mailbox import (
     MEMBER_PID,
     REPLIED,
     SENT,
+    SPIN_GPU,
     MailboxError,
     Shared,
     host_views,
@@ -27,6 +28,7 @@ from services.expert_parallel.mailbox import (
     map_file,
     ring,
     sleep_on,
+    spin_until,
 )
 from services.expert_parallel.wire import KIND_ROWS
 from services.kv_transport.cuda_ipc import PlainUnpickler, open_remote, pid_namespace
@@ -36,7 +38,10 @@ class MemberMailbox:
     """Raises MailboxError where this process cannot map the mailbox (another host,
     another IPC namespace, a GPU it cannot see or that is not its own)."""
 
-    def __init__(self, description: bytes, device: torch.device):
+    def __init__(self, description: bytes, device: torch.device, spin: float | None = None):
+        """`spin`: seconds `receive` polls before it sleeps (default SPIN_GPU on a
+        GPU, none on the CPU): the next layer's rows come soon after a reply."""
+        self.spin = (SPIN_GPU if device.type == "cuda" else 0.0) if spin is None else spin
         self.box: Shared | None = None
         self._stopping = False
         try:
@@ -90,6 +95,7 @@ class MemberMailbox:
         """(layer, payload [rows, row_width] uint8), or None once the worker left,
         closed the group, or `stop()` was called."""
         box, seq = self.box, self._seen + 1
+        spin_until(box.control, SENT, seq, self.spin)
         while box.control[SENT] < seq:
             if box.control[CLOSED] or self._stopping:
                 return None

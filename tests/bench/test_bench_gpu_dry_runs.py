@@ -79,7 +79,7 @@ EXPECTED = {
     },  # fmt: skip
     "prompt_rows": {"ceilings": "ok", "grid": "ok"},
     "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
-    "expert_mailbox": {"round_trip": "ok"},
+    "expert_mailbox": {"round_trip": "ok", "round_trip_no_spin": "ok"},
     "mla": {
         "ceilings": "ok",
         "decode_kernel": "ok",

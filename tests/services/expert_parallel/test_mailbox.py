@@ -37,10 +37,12 @@ def _serve(box: MemberMailbox, w13, w2, served: list) -> None:
     box.close()
 
 
-def _group(n: int, weights, capacity: int = 4096, slots: int = 4, timeout: float = 10.0):
-    port = MailboxPort(n, torch.float32, H, CPU, timeout, capacity=capacity, slots=slots)
+def _group(n: int, weights, capacity: int = 4096, slots: int = 4, timeout: float = 10.0,
+           spin: float = 0.0):  # fmt: skip
+    port = MailboxPort(n, torch.float32, H, CPU, timeout, capacity=capacity, slots=slots,
+                       spin=spin)  # fmt: skip
     served = [[] for _ in range(n)]
-    boxes = [MemberMailbox(port.description(rank), CPU) for rank in range(1, n + 1)]
+    boxes = [MemberMailbox(port.description(rank), CPU, spin=spin) for rank in range(1, n + 1)]
     threads = [threading.Thread(target=_serve, args=(box, *weights, served[i]), daemon=True)
                for i, box in enumerate(boxes)]  # fmt: skip
     for t in threads:
@@ -56,13 +58,13 @@ def _same(got: torch.Tensor, expected: torch.Tensor, exact: bool) -> bool:
     return (got - expected).abs().max() <= 4 * torch.finfo(torch.float32).eps * expected.abs().max()
 
 
-@pytest.mark.parametrize("capacity, slots", [(4096, 4), (3, 2)])
-def test_dispatches_over_mailboxes_equal_the_fused_moe(capacity, slots):
+@pytest.mark.parametrize("capacity, slots, spin", [(4096, 4, 0.0), (3, 2, 0.0), (4096, 4, 0.01)])
+def test_dispatches_over_mailboxes_equal_the_fused_moe(capacity, slots, spin):
     """Bit for bit where an expert's rows go whole; (3, 2): each member's rows go in
     pieces of 3 through a ring of 2 slots, so a send must first take the replies
-    the ring still holds."""
+    the ring still holds; spin: both ends poll before they sleep (the GPU's default)."""
     w13, w2 = moe_weights()
-    group, threads, served = _group(2, (w13, w2), capacity, slots)
+    group, threads, served = _group(2, (w13, w2), capacity, slots, spin=spin)
     assert group.transport == "shared" and not list(group.port.boxes[0].path.parent.glob(
         group.port.boxes[0].path.name + "*"))  # the names went once both opened  # fmt: skip
     placement = Placement(1, group.members, 3, torch.tensor([[0, 2, 4, 1, 3, 5]]), E)
