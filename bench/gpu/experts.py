@@ -129,30 +129,37 @@ def _window(status: expert_pb2.ExpertStatus) -> torch.Tensor | None:
     return torch.tensor(list(status.window_load)).view(placement.num_moe_layers, -1)
 
 
-def throughput(streams: int, tokens: int, experts: int) -> dict:
-    """UNTESTED (no GPU this round): colocated vs expert services on the GPU."""
+def throughput(
+    streams: int, tokens: int, experts: int, preset: str = "qwen3-30b-a3b", device: str = "cuda"
+) -> dict:
+    """UNTESTED on a GPU: colocated vs expert services (the worker's default transport:
+    mailboxes over CUDA IPC on one GPU). On the CPU (a tiny preset) it checks the
+    plumbing only."""
     import tempfile
     from pathlib import Path
 
+    from basis.model_config import ModelConfig
     from bench.gpu.models import preset_folder
 
     root = Path(tempfile.mkdtemp(prefix="experts-"))
-    folder, _ = preset_folder(root, "qwen3-30b-a3b")
+    folder, _ = preset_folder(root, preset)
+    routed = ModelConfig.from_pretrained(str(folder)).num_experts
     prompts = [[(31 * i + j) % 1000 for j in range(128)] for i in range(streams)]
+    dtype = ["--dtype", "bfloat16"] if device == "cuda" else []
     out = {}
-    # Each service holds its share of the 128 experts of a layer and 12.5 % spare slots
-    # (the balancer's redundant replicas), not all of them: 4 copies of every expert
-    # (58 GB each) would not fit one GPU. The worker keeps every expert too (it computes
-    # a failed dispatch), so beside the services it leaves them the GPU's other half.
-    slots = -(-128 * 9 // 8 // experts)
+    # Each service holds its share of a layer's experts and 12.5 % spare slots (the
+    # balancer's redundant replicas), not all of them: 4 copies of every expert of
+    # qwen3-30b-a3b (58 GB each) would not fit one GPU. The worker keeps every expert
+    # too (it computes a failed dispatch), so beside the services it leaves them half.
+    slots = -(-routed * 9 // 8 // experts)
     for name, count in (("colocated", 0), ("expert_services", experts)):
-        memory = ["--gpu-memory-utilization", "0.5"] if count else []
+        memory = ["--gpu-memory-utilization", "0.5"] if count and device == "cuda" else []
         spec = MeshSpec(
             model=str(folder), workers=1, experts=count, port=0,
-            engine_argv=["--load-format", "dummy", "--dtype", "bfloat16", *memory],
-            expert_argv=["--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
+            engine_argv=["--load-format", "dummy", "--device", device, *dtype, *memory],
+            expert_argv=["--device", device, "--load-format", "dummy", *dtype,
                          "--slots", str(slots)],
-            scheduler_argv=["--expert-redundant-slots", str(slots * experts - 128)],
+            scheduler_argv=["--expert-redundant-slots", str(slots * experts - routed)],
         )  # fmt: skip
         mesh = Mesh(spec).start(timeout=1800)
         try:
