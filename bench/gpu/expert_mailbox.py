@@ -5,7 +5,7 @@ CUDA IPC (host shared memory with --device cpu).
 round_trip (and round_trip_no_spin: each end sleeps on its doorbell at once, no
 polling first): per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
 chunk's pairs), the member answers each dispatch with its rows unchanged
-(unpacked: the reply is the activations themselves), the worker checks every
+(the reply is the activations themselves), the worker checks every
 reply bit for bit, and the time a dispatch takes in a run of many back to back
 (send, then wait: the member has answered and the reply's copy is queued on
 the worker's stream; the device is synchronized once at the end, so this is
@@ -30,7 +30,6 @@ import torch
 
 from bench.gpu.sections import Sections, script_parser
 from services.expert_parallel.mailbox import MailboxPort
-from services.expert_parallel.wire import pack
 
 HIDDEN = 2048  # qwen3-30b-a3b
 ROWS = (8, 512, 4096)
@@ -38,7 +37,6 @@ ROWS = (8, 512, 4096)
 _MEMBER = textwrap.dedent("""
     import sys, torch
     from services.expert_parallel.mailbox_member import MemberMailbox
-    from services.expert_parallel.wire import unpack
     device, hidden = torch.device(sys.argv[2]), int(sys.argv[3])
     dtype = getattr(torch, sys.argv[4])
     if device.type == "cpu":
@@ -47,8 +45,7 @@ _MEMBER = textwrap.dedent("""
     box = MemberMailbox(open(sys.argv[1], "rb").read(), device, spin=spin)
     print("open", flush=True)
     while (got := box.receive()) is not None:
-        rows, _ = unpack(got[1], dtype, hidden)
-        box.reply(rows)
+        box.reply(got[1])  # the rows themselves
 """)
 
 
@@ -94,16 +91,14 @@ def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None
             for rows in rows_list:
                 x = torch.randn(rows, HIDDEN, device=device).to(dtype)
                 ids = torch.arange(rows, device=device) % 128
-                payload = pack(x, ids)
-                ok = all(torch.equal(port.send(0, [rows], payload, dtype, HIDDEN).wait(), x)
-                         for _ in range(3))  # fmt: skip
+                ok = all(torch.equal(port.send(0, [rows], x, ids).wait(), x) for _ in range(3))
                 _sync(device)
                 start = time.perf_counter()
                 for _ in range(repeats):
-                    result = port.send(0, [rows], payload, dtype, HIDDEN).wait()
+                    result = port.send(0, [rows], x, ids).wait()
                 _sync(device)
                 seconds = (time.perf_counter() - start) / repeats
-                moved = payload.numel() + x.numel() * x.element_size()
+                moved = 2 * x.numel() * x.element_size() + ids.numel() * 8
                 ceiling = _copy_ceiling(moved, device, repeats)
                 row = {"rows": rows, "bytes": moved, "equal": ok and torch.equal(result, x),
                        "round_trip_us": seconds * 1e6, "copy_us": ceiling * 1e6,

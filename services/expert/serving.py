@@ -16,7 +16,7 @@ from services.expert.expert_store import ExpertStore
 from services.expert_parallel import metrics
 from services.expert_parallel.mailbox import MailboxError
 from services.expert_parallel.mailbox_member import MemberMailbox
-from services.expert_parallel.wire import MemberPort, row_bytes, unpack
+from services.expert_parallel.wire import MemberPort
 from services.kv_transport.nccl_group import (
     FOREVER,
     abort_group,
@@ -92,7 +92,7 @@ class GroupServer:
         pg = make_group(request.backend, client, request.rank, FOREVER.total_seconds(),
                         self.host, request.world_size)  # fmt: skip
         port = MemberPort(pg, request.world_size, request.rank, self.store.device,
-                          row_bytes(self.store.dtype, self.hidden_size))  # fmt: skip
+                          self.store.dtype, self.hidden_size)  # fmt: skip
         return port, lambda: abort_group(pg), lambda: abort_group(pg)
 
     def _serve(self, request, mailbox: MemberMailbox | None) -> None:
@@ -115,8 +115,7 @@ class GroupServer:
                 if received is None:
                     break
                 started = time.monotonic()
-                layer, payload = received
-                rows, ids = unpack(payload, self.store.dtype, self.hidden_size)
+                layer, rows, ids = received
                 with torch.inference_mode():
                     out = self.store.compute(layer, rows, ids)
                 port.reply(out)

@@ -3,16 +3,17 @@ buffers, no collective and no socket (NCCL cannot put two ranks on one GPU;
 gloo sends every row through TCP).
 
 Per member the worker allocates, once per group, a ring of `SLOTS` slots, each
-a payload buffer (rows in `wire.pack`'s format) and a reply buffer
-([rows, hidden] in the worker's dtype): in host shared memory (a file under
-/dev/shm) on the CPU, in the worker's GPU memory on the GPU, which the member
-maps through CUDA IPC (services/expert_parallel/mailbox_member.py). A control
-block in the file carries the sequence number of the last dispatch sent and
-of the last answered, each slot's (kind, layer, rows), closed and gone flags
-and both ends' pids; two named pipes beside it are doorbells (a byte after
-each publish), so a waiting end sleeps in `poll` and neither spins.
+the rows ([rows, hidden] in the worker's dtype), their expert ids and the reply
+([rows, hidden]), laid out as each end computes on them (no packing): in host
+shared memory (a file under /dev/shm) on the CPU, in the worker's GPU memory on
+the GPU, which the member maps through CUDA IPC (mailbox_member.py is its end).
+A control block in the file carries the sequence number of the last dispatch
+sent and of the last answered, each slot's (kind, layer, rows), closed and gone
+flags and both ends' pids; two named pipes beside it are doorbells (a byte after
+each publish), so a waiting end sleeps in `poll`; on a GPU host it first polls
+the control block for up to SPIN_GPU seconds.
 
-Ordering on the GPU: the worker writes a slot's payload on its stream, records
+Ordering on the GPU: the worker writes a slot's rows and ids on its stream, records
 the slot's "sent" event (interprocess) and then publishes the sequence number;
 the member's stream waits for that event, computes, writes the reply, records
 the slot's "replied" event, and publishes. The worker's stream waits for that
@@ -48,7 +49,7 @@ from pathlib import Path
 import torch
 
 from basis.host_regions import pid_alive, remove_stale, shm_dir
-from services.expert_parallel.wire import KIND_ROWS, row_bytes
+from services.expert_parallel.wire import KIND_ROWS
 from services.kv_transport.cuda_ipc import describe, pid_namespace
 
 PREFIX = "yinian-experts-"  # then <worker pid>-<random>-<rank>
@@ -116,7 +117,8 @@ class Shared:
     capacity: int
     file: mmap.mmap
     control: memoryview  # int64 fields
-    payload: torch.Tensor | None = None  # [slots, capacity, row_width] uint8
+    rows: torch.Tensor | None = None  # [slots, capacity, hidden]
+    ids: torch.Tensor | None = None  # [slots, capacity] int64
     reply: torch.Tensor | None = None  # [slots, capacity, hidden]
     fds: list[int] = field(default_factory=list)  # doorbells: down (to the member), up
     sent_events: list = field(default_factory=list)  # GPU: interprocess, one a slot
@@ -138,10 +140,10 @@ class Shared:
             self.fds.append(doorbell(self.path.with_suffix(suffix)))
 
 
-def layout(slots: int, capacity: int, row_width: int, hidden: int, dtype) -> tuple[int, int]:
-    payload = slots * capacity * row_width
-    reply = slots * capacity * hidden * torch.empty((), dtype=dtype).element_size()
-    return payload, reply
+def layout(slots: int, capacity: int, hidden: int, dtype) -> tuple[int, int, int]:
+    """Bytes of the rows, the ids and the replies of every slot."""
+    rows = slots * capacity * hidden * torch.empty((), dtype=dtype).element_size()
+    return rows, slots * capacity * 8, rows
 
 
 def map_file(path: Path, size: int, create: bool) -> mmap.mmap:
@@ -155,15 +157,19 @@ def map_file(path: Path, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def host_views(box: Shared, row_width: int, hidden: int, dtype) -> None:
-    """The payload and reply rings inside the file (the CPU's mailboxes)."""
-    payload_bytes, reply_bytes = layout(box.slots, box.capacity, row_width, hidden, dtype)
-    payload = torch.frombuffer(box.file, dtype=torch.uint8, count=payload_bytes,
-                               offset=CONTROL_BYTES)  # fmt: skip
-    reply = torch.frombuffer(box.file, dtype=torch.uint8, count=reply_bytes,
-                             offset=CONTROL_BYTES + payload_bytes)  # fmt: skip
-    box.payload = payload.view(box.slots, box.capacity, row_width)
-    box.reply = reply.view(dtype).view(box.slots, box.capacity, hidden)
+def file_bytes(slots: int, capacity: int, hidden: int, dtype, on_host: bool) -> int:
+    return CONTROL_BYTES + (sum(layout(slots, capacity, hidden, dtype)) if on_host else 0)
+
+
+def host_views(box: Shared, hidden: int, dtype) -> None:
+    """The rings of rows, ids and replies inside the file (the CPU's mailboxes)."""
+    offset, views = CONTROL_BYTES, []
+    for size, kind in zip(layout(box.slots, box.capacity, hidden, dtype),
+                          (dtype, torch.int64, dtype)):  # fmt: skip
+        raw = torch.frombuffer(box.file, dtype=torch.uint8, count=size, offset=offset)
+        views.append(raw.view(kind).view(box.slots, box.capacity, -1))
+        offset += size
+    box.rows, box.ids, box.reply = views[0], views[1][..., 0], views[2]
 
 
 class _Pending:
@@ -197,7 +203,6 @@ class MailboxPort:
         _retired[:] = [p for p in _retired if p.held()]
         self.dtype, self.hidden, self.device, self.timeout = dtype, hidden, device, timeout
         self.spin = (SPIN_GPU if device.type == "cuda" else 0.0) if spin is None else spin
-        self.row_width = row_bytes(dtype, hidden)
         self.on_host = device.type != "cuda"
         self.boxes: list[Shared] = []
         self._fds: list[int] = []
@@ -217,20 +222,17 @@ class MailboxPort:
             raise MailboxError(f"cannot make the expert mailboxes: {exc}") from exc
 
     def _make(self, path: Path, capacity: int, slots: int) -> Shared:
-        payload_bytes, reply_bytes = layout(slots, capacity, self.row_width, self.hidden,
-                                            self.dtype)  # fmt: skip
-        size = CONTROL_BYTES + (payload_bytes + reply_bytes if self.on_host else 0)
-        m = map_file(path, size, create=True)
+        m = map_file(path, file_bytes(slots, capacity, self.hidden, self.dtype, self.on_host),
+                     create=True)  # fmt: skip
         box = Shared(path, slots, capacity, m, memoryview(m)[:CONTROL_BYTES].cast("q"))
         box.fds = self._fds_of(path)
         box.control[WORKER_PID] = os.getpid()
         if self.on_host:
-            host_views(box, self.row_width, self.hidden, self.dtype)
+            host_views(box, self.hidden, self.dtype)
             return box
-        box.payload = torch.empty(slots, capacity, self.row_width, dtype=torch.uint8,
-                                  device=self.device)  # fmt: skip
-        box.reply = torch.empty(slots, capacity, self.hidden, dtype=self.dtype,
-                                device=self.device)  # fmt: skip
+        box.rows, box.reply = (torch.empty(slots, capacity, self.hidden, dtype=self.dtype,
+                                           device=self.device) for _ in range(2))  # fmt: skip
+        box.ids = torch.empty(slots, capacity, dtype=torch.int64, device=self.device)
         box.sent_events = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
         box.replied_events = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
         for event in box.sent_events + box.replied_events:
@@ -247,12 +249,13 @@ class MailboxPort:
     def description(self, rank: int) -> bytes:
         box = self.boxes[rank - 1]
         desc = {"version": 1, "path": str(box.path), "slots": box.slots,
-                "capacity": box.capacity, "row_width": self.row_width, "hidden": self.hidden,
+                "capacity": box.capacity, "hidden": self.hidden,
                 "dtype": str(self.dtype).removeprefix("torch."), "worker_pid": os.getpid(),
                 "pidns": pid_namespace(), "cuda": None}  # fmt: skip
         if not self.on_host:
             desc["cuda"] = {
-                "payload": describe([box.payload]), "reply": describe([box.reply]),
+                "rows": describe([box.rows]), "ids": describe([box.ids]),
+                "reply": describe([box.reply]),
                 "sent": [bytes(e.ipc_handle()) for e in box.sent_events],
                 "replied": [bytes(e.ipc_handle()) for e in box.replied_events],
             }  # fmt: skip
@@ -269,30 +272,33 @@ class MailboxPort:
         return [box.control[MEMBER_PID] or None for box in self.boxes]
 
     # -- the engine thread's side (WorkerPort's calls) ---------------------------------
-    def send(self, layer: int, rows_per_member: list[int], payload: torch.Tensor,
-             dtype: torch.dtype, hidden: int) -> _Pending:  # fmt: skip
+    def send(self, layer: int, rows_per_member: list[int], rows: torch.Tensor,
+             expert_ids: torch.Tensor) -> _Pending:  # fmt: skip
+        """Each member's rows (grouped by member in rank order) and their expert ids."""
         if self.closed:
             raise MailboxError("the expert mailboxes are closed")
-        result = torch.empty(sum(rows_per_member), hidden, dtype=dtype, device=self.device)
+        result = torch.empty(sum(rows_per_member), self.hidden, dtype=self.dtype,
+                             device=self.device)  # fmt: skip
         pending = _Pending(self, result)
         offset = 0
-        for member, rows in enumerate(rows_per_member):
+        for member, count in enumerate(rows_per_member):
             box = self.boxes[member]
-            for start in range(0, rows, box.capacity):
-                n = min(box.capacity, rows - start)
-                self._put(member, layer, payload[offset + start : offset + start + n],
-                          pending, offset + start)  # fmt: skip
-            offset += rows
+            for start in range(0, count, box.capacity):
+                n = min(box.capacity, count - start)
+                at = offset + start
+                self._put(member, layer, rows[at : at + n], expert_ids[at : at + n], pending, at)
+            offset += count
         return pending
 
-    def _put(self, member: int, layer: int, rows: torch.Tensor, pending: _Pending,
-             offset: int) -> None:  # fmt: skip
+    def _put(self, member: int, layer: int, rows: torch.Tensor, ids: torch.Tensor,
+             pending: _Pending, offset: int) -> None:  # fmt: skip
         box = self.boxes[member]
         seq = self._seq[member] + 1
         if seq - box.slots > self._taken[member]:  # the ring is full: free the oldest slot
             self._take(member, seq - box.slots, time.monotonic() + self.timeout)
         slot, n = seq % box.slots, rows.shape[0]
-        box.payload[slot, :n].copy_(rows, non_blocking=True)
+        box.rows[slot, :n].copy_(rows, non_blocking=True)
+        box.ids[slot, :n].copy_(ids, non_blocking=True)
         if not self.on_host:
             box.sent_events[slot].record(torch.cuda.current_stream(self.device))
         box.control[box.slot_field(slot, 0)] = KIND_ROWS

@@ -23,8 +23,8 @@ from services.expert_parallel.mailbox import (
     SPIN_GPU,
     MailboxError,
     Shared,
+    file_bytes,
     host_views,
-    layout,
     map_file,
     ring,
     sleep_on,
@@ -61,25 +61,23 @@ class MemberMailbox:
         if on_host == (device.type == "cuda"):
             raise MailboxError(f"the worker's activations are on the {'CPU' if on_host else 'GPU'}"
                                f", this service's experts on {device}")  # fmt: skip
-        slots, capacity = desc["slots"], desc["capacity"]
-        row_width, hidden = desc["row_width"], desc["hidden"]
-        payload_bytes, reply_bytes = layout(slots, capacity, row_width, hidden, dtype)
-        size = CONTROL_BYTES + (payload_bytes + reply_bytes if on_host else 0)
+        slots, capacity, hidden = desc["slots"], desc["capacity"], desc["hidden"]
         path = Path(desc["path"])
-        m = map_file(path, size, create=False)
+        m = map_file(path, file_bytes(slots, capacity, hidden, dtype, on_host), create=False)
         box = Shared(path, slots, capacity, m, memoryview(m)[:CONTROL_BYTES].cast("q"))
         if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
             device = torch.device("cuda", torch.cuda.current_device())
         self.box, self.device = box, device
         box.open_doorbells()
         if on_host:
-            host_views(box, row_width, hidden, dtype)
+            host_views(box, hidden, dtype)
         else:
             cuda = desc["cuda"]
-            box.payload = open_remote(cuda["payload"])[0]
-            box.reply = open_remote(cuda["reply"])[0]
-            if box.payload.device != device:  # its events record on the worker's GPU only
-                raise MailboxError(f"the worker's activations are on {box.payload.device}, "
+            box.rows, box.ids, box.reply = (
+                open_remote(cuda[k])[0] for k in ("rows", "ids", "reply")
+            )
+            if box.rows.device != device:  # its events record on the worker's GPU only
+                raise MailboxError(f"the worker's activations are on {box.rows.device}, "
                                    f"this service's experts on {device}")  # fmt: skip
             box.sent_events = [torch.cuda.Event.from_ipc_handle(device, h) for h in cuda["sent"]]
             box.replied_events = [
@@ -91,9 +89,10 @@ class MemberMailbox:
         self._seen = box.control[REPLIED]  # a fresh mailbox: 0
         self._slot = self._rows = None
 
-    def receive(self) -> tuple[int, torch.Tensor] | None:
-        """(layer, payload [rows, row_width] uint8), or None once the worker left,
-        closed the group, or `stop()` was called."""
+    def receive(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(layer, rows [n, hidden], their expert ids [n]): views of the slot, valid
+        until `reply`; or None once the worker left, closed the group, or `stop()`
+        was called."""
         box, seq = self.box, self._seen + 1
         spin_until(box.control, SENT, seq, self.spin)
         while box.control[SENT] < seq:
@@ -108,11 +107,10 @@ class MemberMailbox:
         kind, layer, rows = (box.control[box.slot_field(slot, i)] for i in range(3))
         if kind != KIND_ROWS:
             raise MailboxError(f"unknown dispatch kind {kind} from the worker")
-        payload = box.payload[slot, :rows]
         if box.sent_events:
             torch.cuda.current_stream(self.device).wait_event(box.sent_events[slot])
         self._seen, self._slot, self._rows = seq, slot, rows
-        return layer, payload
+        return layer, box.rows[slot, :rows], box.ids[slot, :rows]
 
     def reply(self, outputs: torch.Tensor) -> None:
         """The outputs of the last received rows, in their order."""

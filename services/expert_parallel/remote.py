@@ -33,7 +33,7 @@ from services.expert_parallel import metrics
 from services.expert_parallel.group import ExpertGroup
 from services.expert_parallel.placement import Placement
 from services.expert_parallel.step_record import StepRecord
-from services.expert_parallel.wire import Transfer, pack
+from services.expert_parallel.wire import Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,7 @@ class RemoteExperts(ExpertBackend):
         counts = torch.bincount(member[pairs], minlength=len(group.members)).tolist()
         top_k = sent.ids.shape[1]
         rows = sent.hidden[pairs // top_k]
-        sent.transfer = group.port.send(layer, counts, pack(rows, flat[pairs]),
-                                        sent.hidden.dtype, sent.hidden.shape[1])  # fmt: skip
+        sent.transfer = group.port.send(layer, counts, rows, flat[pairs])
         sent.remote_pairs = pairs
         local = (member < 0).nonzero().view(-1)
         if local.numel():  # computed here while the services work on the rest

@@ -71,8 +71,10 @@ class WorkerPort:
     def __init__(self, pg, world: int, device: torch.device):
         self.pg, self.world, self.device = pg, world, device
 
-    def send(self, layer: int, rows_per_member: list[int], payload: torch.Tensor,
-             dtype: torch.dtype, hidden: int) -> Transfer:  # fmt: skip
+    def send(self, layer: int, rows_per_member: list[int], rows: torch.Tensor,
+             expert_ids: torch.Tensor) -> Transfer:  # fmt: skip
+        """Each member's rows (grouped by member in rank order) and their expert ids."""
+        payload, dtype, hidden = pack(rows, expert_ids), rows.dtype, rows.shape[1]
         header = torch.zeros(self.world, _HEADER, dtype=torch.int64, device=self.device)
         header[1:, 0] = KIND_ROWS
         header[1:, 1] = layer
@@ -99,13 +101,15 @@ class WorkerPort:
 class MemberPort:
     """A member's end: receives a dispatch, answers with the expert outputs."""
 
-    def __init__(self, pg, world: int, rank: int, device: torch.device, row_width: int):
+    def __init__(self, pg, world: int, rank: int, device: torch.device, dtype: torch.dtype,
+                 hidden: int):  # fmt: skip
         self.pg, self.world, self.rank = pg, world, rank
-        self.device, self.row_width = device, row_width
+        self.device, self.dtype, self.hidden = device, dtype, hidden
+        self.row_width = row_bytes(dtype, hidden)
         self._pending_rows = 0
 
-    def receive(self) -> tuple[int, torch.Tensor] | None:
-        """(layer, payload [rows, row_width] uint8), or None when the worker left."""
+    def receive(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(layer, rows [n, hidden], their expert ids [n]), or None when the worker left."""
         quiet = torch.zeros(self.world, _HEADER, dtype=torch.int64, device=self.device)
         heard = torch.empty_like(quiet)
         self.pg.alltoall_base(heard.view(-1), quiet.view(-1), [], []).wait()
@@ -120,7 +124,7 @@ class MemberPort:
         self.pg.alltoall_base(payload, payload.new_empty((0, self.row_width)), splits,
                               nothing).wait()  # fmt: skip
         self._pending_rows = rows
-        return layer, payload
+        return layer, *unpack(payload, self.dtype, self.hidden)
 
     def reply(self, outputs: torch.Tensor) -> None:
         """The outputs of the last received rows, in their order."""

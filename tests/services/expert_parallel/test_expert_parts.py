@@ -65,14 +65,13 @@ def _serve_member(rendezvous, rank, world, weights_of, stop_after=None):
     """A member on a thread: receive, compute what it holds, answer."""
     client = store_client("127.0.0.1", rendezvous.port, 10)
     pg = make_group("gloo", client, rank, 30.0, "127.0.0.1", world)
-    port = MemberPort(pg, world, rank, torch.device("cpu"), row_bytes(torch.float32, H))
+    port = MemberPort(pg, world, rank, torch.device("cpu"), torch.float32, H)
     served = 0
     try:
         while (received := port.receive()) is not None:
             if stop_after is not None and served == stop_after:
                 break  # dies without answering
-            layer, payload = received
-            rows, ids = unpack(payload, torch.float32, H)
+            layer, rows, ids = received
             w13, w2 = weights_of
             port.reply(reference.fused_moe(rows, w13, w2, torch.ones(len(ids), 1), ids[:, None]))
             served += 1

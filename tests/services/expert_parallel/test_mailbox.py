@@ -22,7 +22,6 @@ from services.expert_parallel.mailbox import GONE, MailboxError, MailboxPort
 from services.expert_parallel.mailbox_member import MemberMailbox
 from services.expert_parallel.placement import Member, Placement
 from services.expert_parallel.remote import RemoteExperts
-from services.expert_parallel.wire import unpack
 
 pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")
@@ -30,8 +29,7 @@ CPU = torch.device("cpu")
 
 def _serve(box: MemberMailbox, w13, w2, served: list) -> None:
     while (received := box.receive()) is not None:
-        _, payload = received
-        rows, ids = unpack(payload, torch.float32, H)
+        _, rows, ids = received
         served.append(rows.shape[0])  # before the reply: the worker may count at once
         box.reply(reference.fused_moe(rows, w13, w2, torch.ones(len(ids), 1), ids[:, None]))
     box.close()
@@ -99,8 +97,8 @@ _MEMBER = textwrap.dedent("""
     box = MemberMailbox(open(sys.argv[1], "rb").read(), torch.device("cpu"))
     print("open", flush=True)
     while (got := box.receive()) is not None:
-        layer, payload = got
-        box.reply(torch.zeros(payload.shape[0], int(sys.argv[2])))
+        layer, rows, ids = got
+        box.reply(torch.zeros(rows.shape[0], int(sys.argv[2])))
 """)
 
 
@@ -181,6 +179,6 @@ def test_a_mailbox_that_cannot_be_mapped_is_refused():
         MemberMailbox(b"not a description", CPU)
     port.close()
     with pytest.raises(MailboxError, match="closed"):
-        port.send(0, [1], torch.zeros(1, 1, dtype=torch.uint8), torch.float32, H)
+        port.send(0, [1], torch.zeros(1, H), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError):
         MailboxPort(0, torch.float32, H, CPU, timeout=5.0)
