@@ -141,9 +141,10 @@ class Shared:
 
 
 def layout(slots: int, capacity: int, hidden: int, dtype) -> tuple[int, int, int]:
-    """Bytes of the rows, the ids and the replies of every slot."""
+    """Bytes of the rows, the ids and the replies of every slot, each region rounded up
+    to 64 (the next one starts aligned for any element type)."""
     rows = slots * capacity * hidden * torch.empty((), dtype=dtype).element_size()
-    return rows, slots * capacity * 8, rows
+    return tuple(-(-size // 64) * 64 for size in (rows, slots * capacity * 8, rows))
 
 
 def map_file(path: Path, size: int, create: bool) -> mmap.mmap:
@@ -166,8 +167,9 @@ def host_views(box: Shared, hidden: int, dtype) -> None:
     offset, views = CONTROL_BYTES, []
     for size, kind in zip(layout(box.slots, box.capacity, hidden, dtype),
                           (dtype, torch.int64, dtype)):  # fmt: skip
-        raw = torch.frombuffer(box.file, dtype=torch.uint8, count=size, offset=offset)
-        views.append(raw.view(kind).view(box.slots, box.capacity, -1))
+        count = box.slots * box.capacity * (hidden if kind is dtype else 1)
+        raw = torch.frombuffer(box.file, dtype=kind, count=count, offset=offset)
+        views.append(raw.view(box.slots, box.capacity, -1))
         offset += size
     box.rows, box.ids, box.reply = views[0], views[1][..., 0], views[2]
 

@@ -169,6 +169,29 @@ def test_a_member_stopped_from_another_thread_ends_its_loop():
     port.close()
 
 
+@pytest.mark.parametrize("hidden, dtype", [(15, torch.bfloat16), (7, torch.float32)])
+def test_odd_widths_and_int32_ids_cross_in_pieces(hidden, dtype):
+    """Rows of any width and dtype, ids of either integer type, 11 rows through slots
+    of 5 in a ring of 3: each reply is the member's function of its own rows and ids."""
+    port = MailboxPort(1, dtype, hidden, CPU, timeout=5.0, capacity=5, slots=3)
+    box = MemberMailbox(port.description(1), CPU)
+
+    def serve():
+        while (got := box.receive()) is not None:
+            _, rows, ids = got
+            box.reply(rows * 2 + ids[:, None].to(rows.dtype))
+        box.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    x = torch.randn(11, hidden).to(dtype)
+    ids = torch.arange(11, dtype=torch.int32)
+    assert torch.equal(port.send(0, [11], x, ids).wait(), x * 2 + ids[:, None].to(dtype))
+    port.close()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
 def test_a_mailbox_that_cannot_be_mapped_is_refused():
     port = MailboxPort(1, torch.float32, H, CPU, timeout=5.0)
     description = port.description(1)
