@@ -25,14 +25,13 @@ from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
 from services.common.channels import OPTIONS, WorkerChannels
 from services.common.telemetry import tracer
 from services.common.tls import aio_channel
+from services.expert_parallel import FALLBACKS, TRANSPORTS
 from services.expert_parallel.group import ExpertGroup, Rendezvous, model_tag
 from services.expert_parallel.mailbox import MailboxPort
 from services.expert_parallel.placement import Placement
 from services.expert_parallel.remote import RemoteExperts
 
 logger = logging.getLogger(__name__)
-FALLBACKS = ("replicas", "local")
-TRANSPORTS = ("auto", "shared", "collective")
 
 
 class ExpertControl:

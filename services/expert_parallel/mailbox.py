@@ -102,6 +102,13 @@ def spin_until(control: memoryview, index: int, target: int, seconds: float) -> 
     return True
 
 
+def default_spin(device: torch.device, spin: float | None) -> float:
+    """`spin`, or SPIN_GPU on a GPU and none on the CPU when it is None."""
+    if spin is not None:
+        return spin
+    return SPIN_GPU if device.type == "cuda" else 0.0
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -165,11 +172,12 @@ def file_bytes(slots: int, capacity: int, hidden: int, dtype, on_host: bool) -> 
 def host_views(box: Shared, hidden: int, dtype) -> None:
     """The rings of rows, ids and replies inside the file (the CPU's mailboxes)."""
     offset, views = CONTROL_BYTES, []
-    for size, kind in zip(layout(box.slots, box.capacity, hidden, dtype),
-                          (dtype, torch.int64, dtype)):  # fmt: skip
-        count = box.slots * box.capacity * (hidden if kind is dtype else 1)
+    regions = zip(layout(box.slots, box.capacity, hidden, dtype), (dtype, torch.int64, dtype),
+                  (hidden, 1, hidden))  # fmt: skip
+    for size, kind, width in regions:
+        count = box.slots * box.capacity * width
         raw = torch.frombuffer(box.file, dtype=kind, count=count, offset=offset)
-        views.append(raw.view(box.slots, box.capacity, -1))
+        views.append(raw.view(box.slots, box.capacity, width))
         offset += size
     box.rows, box.ids, box.reply = views[0], views[1][..., 0], views[2]
 
@@ -204,7 +212,7 @@ class MailboxPort:
             raise ValueError("a mailbox port needs members, capacity and slots >= 1")
         _retired[:] = [p for p in _retired if p.held()]
         self.dtype, self.hidden, self.device, self.timeout = dtype, hidden, device, timeout
-        self.spin = (SPIN_GPU if device.type == "cuda" else 0.0) if spin is None else spin
+        self.spin = default_spin(device, spin)
         self.on_host = device.type != "cuda"
         self.boxes: list[Shared] = []
         self._fds: list[int] = []
@@ -227,7 +235,10 @@ class MailboxPort:
         m = map_file(path, file_bytes(slots, capacity, self.hidden, self.dtype, self.on_host),
                      create=True)  # fmt: skip
         box = Shared(path, slots, capacity, m, memoryview(m)[:CONTROL_BYTES].cast("q"))
-        box.fds = self._fds_of(path)
+        try:
+            box.open_doorbells()
+        finally:
+            self._fds.extend(box.fds)  # closed with the port, even where one failed to open
         box.control[WORKER_PID] = os.getpid()
         if self.on_host:
             host_views(box, self.hidden, self.dtype)
@@ -240,13 +251,6 @@ class MailboxPort:
         for event in box.sent_events + box.replied_events:
             event.record(torch.cuda.current_stream(self.device))  # a handle needs a record
         return box
-
-    def _fds_of(self, path: Path) -> list[int]:
-        fds = []
-        for suffix in (".down", ".up"):
-            fds.append(doorbell(path.with_suffix(suffix)))
-            self._fds.append(fds[-1])
-        return fds
 
     def description(self, rank: int) -> bytes:
         box = self.boxes[rank - 1]

@@ -20,9 +20,9 @@ from services.expert_parallel.mailbox import (
     MEMBER_PID,
     REPLIED,
     SENT,
-    SPIN_GPU,
     MailboxError,
     Shared,
+    default_spin,
     file_bytes,
     host_views,
     map_file,
@@ -41,7 +41,7 @@ class MemberMailbox:
     def __init__(self, description: bytes, device: torch.device, spin: float | None = None):
         """`spin`: seconds `receive` polls before it sleeps (default SPIN_GPU on a
         GPU, none on the CPU): the next layer's rows come soon after a reply."""
-        self.spin = (SPIN_GPU if device.type == "cuda" else 0.0) if spin is None else spin
+        self.spin = default_spin(device, spin)
         self.box: Shared | None = None
         self._stopping = False
         try:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from basis.flags import not_a_flag, parse_config, setting
 from engine.cli_args import add_engine_args, engine_options
 from services.common.tls import TlsSettings
+from services.expert_parallel import FALLBACKS, TRANSPORTS
 
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
-EXPERT_TRANSPORTS = ("auto", "shared", "collective")
 WRITE_THROUGH = ("none", "selective", "prefix", "all")
 
 
@@ -77,7 +77,7 @@ class WorkerSettings(TlsSettings):
         "replicas",
         "when an expert service is lost: replicas (its tokens go to surviving replicas; "
         "experts without one are computed here) or local (computed here)",
-        choices=("replicas", "local"),
+        choices=FALLBACKS,
     )
     expert_timeout: float = setting(
         5.0, "seconds an expert all-to-all may take before the step computes its experts here"
@@ -88,7 +88,7 @@ class WorkerSettings(TlsSettings):
         "CUDA IPC on the GPU: services on this host only), collective (gloo/NCCL "
         "all-to-alls), or auto (shared where every service of the group can map them, "
         "else collective)",
-        choices=EXPERT_TRANSPORTS,
+        choices=TRANSPORTS,
     )
     engine_options: dict = not_a_flag(dict)
 
@@ -104,10 +104,10 @@ class WorkerSettings(TlsSettings):
             raise ValueError("load_interval must be > 0")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
-        if self.expert_fallback not in ("replicas", "local") or self.expert_timeout <= 0:
+        if self.expert_fallback not in FALLBACKS or self.expert_timeout <= 0:
             raise ValueError("expert_fallback must be replicas or local; expert_timeout > 0")
-        if self.expert_transport not in EXPERT_TRANSPORTS:
-            raise ValueError(f"expert_transport must be one of {EXPERT_TRANSPORTS}")
+        if self.expert_transport not in TRANSPORTS:
+            raise ValueError(f"expert_transport must be one of {TRANSPORTS}")
         TlsSettings.__post_init__(self)
         if not self.worker_id:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
