@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from basis.model_config import ModelConfig
 from engine.models import CausalLM
-from engine.models.hf_names import hf_weight_targets, ignored_tensor
+from engine.models.hf_names import hf_weight_targets, ignored_tensor, routed_expert_names
 from engine.models.rotary import cos_sin_table
 
 # Present in some checkpoints, never needed: rotary tables are recomputed.
@@ -93,6 +93,45 @@ def random_tensor(hf_name: str, shape, generator: torch.Generator, device, dtype
     return t.to(dtype)
 
 
+def dummy_expert(config: ModelConfig, names, moe_layer: int, expert: int, device, dtype,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The dummy (gate, up, down) of one routed expert of the `moe_layer`-th MoE layer,
+    from a generator of its own: the same numbers in a worker and in an expert service
+    that holds it, whichever other experts either makes."""
+    h, w = config.hidden_size, config.moe_intermediate_size
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + moe_layer * 100_003 + expert)
+    gate, up = (random_tensor(n, (w, h), generator, device, dtype) for n in names[:2])
+    return gate, up, random_tensor(names[2], (h, w), generator, device, dtype)
+
+
+class _DummyExperts:
+    """The routed expert tensors among a load's targets: each expert's three made
+    together when the first is asked for, each handed out once (then dropped)."""
+
+    def __init__(self, config: ModelConfig, targets, seed: int):
+        self.config, self.seed = config, seed
+        self.where: dict[str, tuple[int, int, tuple, int]] = {}
+        for moe_layer, layer in enumerate(sorted(config.moe_layers) if config.is_moe else ()):
+            for expert, names in enumerate(routed_expert_names(config, layer)):
+                if names[0] in targets:
+                    for i, name in enumerate(names):
+                        self.where[name] = (moe_layer, expert, names, i)
+        self._made: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+
+    def take(self, name: str, device, dtype) -> torch.Tensor:
+        moe_layer, expert, names, i = self.where[name]
+        key = (moe_layer, expert)
+        if key not in self._made:
+            made = dummy_expert(self.config, names, moe_layer, expert, device, dtype, self.seed)
+            self._made[key] = dict(enumerate(made))
+        parts = self._made[key]
+        tensor = parts.pop(i)
+        if not parts:
+            del self._made[key]
+        return tensor
+
+
 def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """`model.to_empty(device=device).to(dtype)` without either step's cost: each meta
     tensor becomes an empty one on the device, floating point ones in `dtype` (no float32
@@ -157,16 +196,19 @@ def load_model(
     targets = hf_weight_targets(config, stage, mtp)
     params = dict(model.named_parameters(remove_duplicate=False))
     if load_format == "dummy":
+        experts = _DummyExperts(config, targets, seed)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         for hf_name, target in targets.items():
             view = target.view(params[target.param])
-            if shard is None:
-                view.copy_(random_tensor(hf_name, view.shape, generator, device, view.dtype))
-                continue
-            shape = shard.full_shape(hf_name, tuple(view.shape))
-            whole = random_tensor(hf_name, shape, generator, device, view.dtype)
-            index = shard.index(hf_name, shape)
+            shape = tuple(view.shape)
+            if shard is not None:
+                shape = shard.full_shape(hf_name, shape)
+            if hf_name in experts.where:  # made per expert, as an expert service makes it
+                whole = experts.take(hf_name, device, view.dtype)
+            else:
+                whole = random_tensor(hf_name, shape, generator, device, view.dtype)
+            index = shard.index(hf_name, shape) if shard is not None else None
             view.copy_(whole[index] if index else whole)
         return model
     seen: set[str] = set()

@@ -11,8 +11,10 @@ throughput with the experts in separate processes against colocated.
   placement made without load information, then after an EPLB rebalance on the
   load just gathered (12.5 % redundant slots); the gathered per-layer load
   matrix is replayed through both placements too.
-- throughput (CUDA): output tokens/s of qwen3-30b-a3b (dummy weights) with the
-  experts colocated and on expert services. Untested here: no GPU this round.
+- throughput, throughput_2 (CUDA): output tokens/s at 64 streams and at one of
+  qwen3-30b-a3b (deepseek-v2-lite on a card under 120 GiB; dummy weights) with the
+  experts colocated and on 4 (2) expert services, each mesh's start-up, and how
+  many greedy texts agree.
 
 Usage: python -m bench.gpu.experts --out bench/results/experts.json [--device cpu [--full]]
 Sections: eplb_replay, live_skew, throughput.
@@ -20,6 +22,7 @@ Sections: eplb_replay, live_skew, throughput.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -129,29 +132,77 @@ def _window(status: expert_pb2.ExpertStatus) -> torch.Tensor | None:
     return torch.tensor(list(status.window_load)).view(placement.num_moe_layers, -1)
 
 
-def throughput(
-    streams: int, tokens: int, experts: int, preset: str = "qwen3-30b-a3b", device: str = "cuda"
-) -> dict:
-    """UNTESTED on a GPU: colocated vs expert services (the worker's default transport:
-    mailboxes over CUDA IPC on one GPU). On the CPU (a tiny preset) it checks the
-    plumbing only."""
+def _worker_counters(mesh) -> dict:
+    """The worker's expert counters: pairs computed remote and local, fallbacks, and
+    the placement version it routes by."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = next(u for name, u in mesh.metrics_endpoints().items() if name.startswith("worker"))
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {"remote": 0.0, "local": 0.0, "fallbacks": 0.0, "version": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "yinian:expert_tokens_dispatched_total":
+                out[sample.labels["where"]] += sample.value
+            elif sample.name == "yinian:expert_fallbacks_total":
+                out["fallbacks"] += sample.value
+            elif sample.name == "yinian:expert_placement_version":
+                out["version"] = sample.value
+    return out
+
+
+def _await_placement(mesh, services: int, poke, timeout: float = 300) -> float:
+    """Seconds until the balancer's placement spans `services` services and the
+    worker routes by it (it takes a new placement at a step: `poke` makes one)."""
+    stub = expert_pb2_grpc.ExpertBalancerStub(sync_channel(mesh.scheduler_address, None))
+    began, deadline = time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        placement = stub.GetExpertStatus(expert_pb2.ExpertStatusRequest()).placement
+        if (len(placement.members) == services
+                and _worker_counters(mesh)["version"] >= placement.version > 0):  # fmt: skip
+            return time.monotonic() - began
+        poke()
+        time.sleep(0.2)
+    raise TimeoutError(f"no placement over {services} expert services in {timeout} s")
+
+
+def _preset_for(device: str, preset: str | None) -> str:
+    """qwen3-30b-a3b where its worker and the services' slots fit the GPU (the worker
+    keeps every expert, for a failed dispatch: 58 GB, and the services ~65 GB more),
+    deepseek-v2-lite (31 GB) on a smaller card."""
+    if preset is not None:
+        return preset
+    if device != "cuda":
+        return "tiny-moe"
+    return "qwen3-30b-a3b" if torch.cuda.mem_get_info()[1] > 120 * 2**30 else "deepseek-v2-lite"
+
+
+def throughput(streams: int, tokens: int, experts: int, preset: str | None = None,
+               device: str = "cuda") -> dict:  # fmt: skip
+    """Colocated vs expert services (the worker's default transport: mailboxes over
+    CUDA IPC on one GPU): output tokens/s at `streams` streams and at one, each
+    mesh's start-up, and whether the greedy texts agree. On the CPU (a tiny preset)
+    it checks the plumbing only."""
     import tempfile
     from pathlib import Path
 
     from basis.model_config import ModelConfig
     from bench.gpu.models import preset_folder
 
+    preset = _preset_for(device, preset)
     root = Path(tempfile.mkdtemp(prefix="experts-"))
     folder, _ = preset_folder(root, preset)
     routed = ModelConfig.from_pretrained(str(folder)).num_experts
     prompts = [[(31 * i + j) % 1000 for j in range(128)] for i in range(streams)]
     dtype = ["--dtype", "bfloat16"] if device == "cuda" else []
-    out = {}
+    out: dict = {"preset": preset, "streams": streams, "tokens": tokens, "services": experts}
     # Each service holds its share of a layer's experts and 12.5 % spare slots (the
-    # balancer's redundant replicas), not all of them: 4 copies of every expert of
-    # qwen3-30b-a3b (58 GB each) would not fit one GPU. The worker keeps every expert
+    # balancer's redundant replicas), not all of them. The worker keeps every expert
     # too (it computes a failed dispatch), so beside the services it leaves them half.
     slots = -(-routed * 9 // 8 // experts)
+    texts = {}
     for name, count in (("colocated", 0), ("expert_services", experts)):
         memory = ["--gpu-memory-utilization", "0.5"] if count and device == "cuda" else []
         spec = MeshSpec(
@@ -161,15 +212,38 @@ def throughput(
                          "--slots", str(slots)],
             scheduler_argv=["--expert-redundant-slots", str(slots * experts - routed)],
         )  # fmt: skip
+        began = time.monotonic()
         mesh = Mesh(spec).start(timeout=1800)
+        row: dict = {"start_s": time.monotonic() - began}
         try:
-            started = time.monotonic()
-            results, _, _ = run_streams(mesh, folder.name, prompts, tokens)
-            elapsed = time.monotonic() - started
+            if count:
+                poke = functools.partial(run_streams, mesh, folder.name, prompts[:1], 2)
+                row["placement_s"] = _await_placement(mesh, count, poke)
+            run_streams(mesh, folder.name, prompts[:2], 4)  # the first requests' one-off costs
+            before = _worker_counters(mesh) if count else {}
+            for label, batch in (("batch", prompts), ("single", prompts[:1])):
+                started = time.monotonic()
+                results, _, _ = run_streams(mesh, folder.name, batch, tokens)
+                elapsed = time.monotonic() - started
+                done = sum(r["error"] is None for r in results)
+                row[f"{label}_output_tok_s"] = done * tokens / elapsed
+                row[f"{label}_failed"] = len(results) - done
+                if label == "batch":
+                    texts[name] = [r["text"] for r in results]
+            if count:
+                after = _worker_counters(mesh)  # the measured runs' pairs, remote and local
+                row["pairs"] = {k: after[k] - before[k] for k in ("remote", "local", "fallbacks")}
         finally:
             mesh.stop()
-        done = sum(r["error"] is None for r in results)
-        out[name] = {"output_tok_s": done * tokens / elapsed, "failed": len(results) - done}
+        out[name] = row
+        print(f"{name}: {row}", flush=True)
+    if len(texts) == 2:
+        pairs = list(zip(texts["colocated"], texts["expert_services"]))
+        out["equal_texts"] = sum(a == b for a, b in pairs)
+        out["compared"] = len(pairs)
+    for label in ("batch", "single"):
+        key = f"{label}_output_tok_s"
+        out[f"{label}_ratio"] = out["expert_services"][key] / out["colocated"][key]
     return out
 
 
@@ -188,6 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                8 if dry else 32, 6 if dry else 32,
                                                0.1 if dry else REPORTS))  # fmt: skip
         section("throughput", lambda: throughput(64, 128, 4), needs="CUDA")
+        section("throughput_2", lambda: throughput(64, 128, 2), needs="CUDA")
         for name, row in (section.results.get("eplb_replay") or {}).items():
             if "with_mean" in row:
                 print(f"{name}: max/mean without {row['without_mean']:.2f} "

@@ -129,13 +129,25 @@ def ignored_tensor(config: ModelConfig, name: str) -> bool:
     return index.isdigit() and int(index) >= config.num_hidden_layers
 
 
+def _moe_block(config: ModelConfig, hf: str) -> tuple[str, tuple[str, str, str]]:
+    """A MoE layer's checkpoint prefix and its experts' (gate, up, down) names."""
+    if config.architecture == "MixtralForCausalLM":
+        return f"{hf}.block_sparse_moe", ("w1", "w3", "w2")
+    return f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def routed_expert_names(config: ModelConfig, layer: int) -> list[tuple[str, str, str]]:
+    """The checkpoint names (gate, up, down) of each routed expert of model layer `layer`."""
+    block, names = _moe_block(config, f"model.layers.{layer}")
+    return [
+        tuple(f"{block}.experts.{e}.{n}.weight" for n in names) for e in range(config.num_experts)
+    ]
+
+
 def _expert_targets(config: ModelConfig, hf: str, ours: str) -> dict[str, Target]:
     width = config.moe_intermediate_size
     gate, up = slice(0, width), slice(width, 2 * width)
-    if config.architecture == "MixtralForCausalLM":
-        block, names = f"{hf}.block_sparse_moe", ("w1", "w3", "w2")
-    else:
-        block, names = f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj")
+    block, names = _moe_block(config, hf)
     out = {f"{block}.gate.weight": Target(f"{ours}.mlp.gate", ())}
     if config.scoring_func == "sigmoid":
         bias = Target(f"{ours}.mlp.e_score_correction_bias", ())

@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 
 from basis.model_config import ModelConfig
-from engine.loader import random_tensor, safetensors_files
-from engine.models.hf_names import hf_weight_targets
+from engine.loader import dummy_expert, safetensors_files
+from engine.models.hf_names import routed_expert_names
 
 
 class ExpertWeights:
     """`dummy`: seeded random experts instead of the checkpoint's (benchmarks of
-    full-size models without their weights; the outputs then differ from a
-    worker's own experts)."""
+    full-size models without their weights), each the one a worker loading dummy
+    weights makes for it (`engine.loader.dummy_expert`)."""
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, dummy: bool = False):
         if not config.is_moe:
@@ -32,19 +32,11 @@ class ExpertWeights:
                 for name in f.keys():
                     self._file_of[name] = path
         # (model layer, expert) -> checkpoint names of (gate, up, down)
-        self._names: dict[tuple[int, int], list[str | None]] = {}
-        width = config.moe_intermediate_size
-        for name, target in hf_weight_targets(config).items():
-            parts = target.param.split(".")
-            if len(parts) != 4 or parts[2] != "mlp" or parts[3] not in ("w13", "w2"):
-                continue
-            layer, expert = int(parts[1]), target.index[0]
-            names = self._names.setdefault((layer, expert), [None, None, None])
-            if parts[3] == "w2":
-                names[2] = name
-            else:
-                names[0 if target.index[1].start == 0 else 1] = name
-            assert target.index[1:] in ((), (slice(0, width),), (slice(width, 2 * width),))
+        self._names = {
+            (layer, expert): names
+            for layer in self.moe_layers
+            for expert, names in enumerate(routed_expert_names(config, layer))
+        }
         missing = (
             []
             if dummy
@@ -73,9 +65,5 @@ class ExpertWeights:
             return f.get_tensor(name)
 
     def _random(self, names, moe_layer: int, expert: int, dtype, device) -> tuple:
-        c = self.config
-        h, w = c.hidden_size, c.moe_intermediate_size
-        generator = torch.Generator(device=device).manual_seed(moe_layer * 100_003 + expert)
-        gate, up = (random_tensor(n, (w, h), generator, device, dtype) for n in names[:2])
-        down = random_tensor(names[2], (h, w), generator, device, dtype)
+        gate, up, down = dummy_expert(self.config, names, moe_layer, expert, device, dtype)
         return torch.cat([gate, up], dim=0).contiguous(), down.contiguous()

@@ -215,3 +215,24 @@ def test_an_expert_store_loads_beside_frees_after_and_computes_like_the_engine(m
         store.compute(0, rows[:1], torch.tensor([0]))
     with pytest.raises(ValueError, match="no expert 8"):
         store.load(3, [[8], []])
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek-v2"])
+def test_dummy_experts_are_the_dummy_worker_s_own(model_dir, preset):
+    """A benchmark on dummy weights (no checkpoint) gives the same tokens with expert
+    services as colocated only if a service's dummy expert is the worker's."""
+    from basis.model_config import ModelConfig
+    from engine.loader import load_model
+    from services.expert.expert_weights import ExpertWeights
+
+    config = ModelConfig.from_pretrained(model_dir(preset))
+    model = load_model(None, config, torch.device("cpu"), torch.float32, load_format="dummy")
+    moes = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")]
+    weights = ExpertWeights("unused", config, dummy=True)
+    assert len(moes) == weights.num_moe_layers > 1
+    for moe_layer in (0, len(moes) - 1):
+        for expert in (0, config.num_experts - 1):
+            w13, w2 = weights.read(moe_layer, expert, torch.float32, "cpu")
+            assert torch.equal(w13, moes[moe_layer].w13[expert])
+            assert torch.equal(w2, moes[moe_layer].w2[expert])
+    assert not torch.equal(moes[0].w13[0], moes[0].w13[1])  # each expert its own numbers
