@@ -111,6 +111,7 @@ class _DiskCache:
 
     def __init__(self, device: str):
         self.path = cache_dir() / cache_file_name(device)
+        self._held = threading.local()  # this thread's depth inside `exclusive`
         self.data = shipped_choices(device)  # under what this machine chose itself
         self.reload()
 
@@ -131,7 +132,18 @@ class _DiskCache:
     def exclusive(self):
         """Holds the cache's lock file: one process of a machine tunes a bucket, the
         others wait and take its choice, so workers sharing a device (a prefill and
-        a decode worker) run the same kernel configurations and agree bit for bit."""
+        a decode worker) run the same kernel configurations and agree bit for bit.
+        Re-entrant in a thread: a candidate that calls another operator whose bucket
+        is not tuned yet (a shared expert's SiLU inside a MoE candidate) tunes it
+        under the lock it holds (a second flock on a new handle would wait forever
+        on its own process)."""
+        if getattr(self._held, "depth", 0):
+            self._held.depth += 1
+            try:
+                yield
+            finally:
+                self._held.depth -= 1
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(self.path.with_suffix(".lock"), "a+")
@@ -140,9 +152,11 @@ class _DiskCache:
             return
         with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            self._held.depth = 1
             try:
                 yield
             finally:
+                self._held.depth = 0
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def get(self, op: str, bucket: str) -> Candidate | None:

@@ -32,10 +32,12 @@ from services.common.processes import (
 )
 from services.common.tls import TlsFiles
 from services.kvstore import block_key
-from yinian import nats_users
+from yinian import mps, nats_users
 from yinian.children import Child, StartCancelled, launch, wait_ready
+from yinian.mps import MpsDaemon
 
 INFRASTRUCTURE = ("nats", "redis")  # stopped after the services, which talk to them
+GPU_ROLES = ("colocated", "decode", "prefill", "expert")  # the roles that hold a GPU
 
 
 @dataclass
@@ -76,6 +78,9 @@ class MeshSpec:
     # experts there (--expert-parallel) once the scheduler's balancer placed them.
     experts: int = 0
     expert_argv: list[str] = field(default_factory=list)
+    # the GPU services as clients of an MPS daemon of the mesh's own (yinian/mps.py):
+    # auto = where expert services share the workers' GPU
+    mps: str = "auto"
     # colocated workers it may grow to (`add_worker`, the planner of `yinian up`): each
     # gets its NATS login when NATS starts
     max_workers: int = 0
@@ -103,6 +108,8 @@ class Mesh:
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / (
             f"yinian-{os.getpid()}-{int(time.time())}"
         )
+        self.mps: MpsDaemon | None = None
+        self._gpu_env: dict[str, str] = {}  # the MPS clients' environment, when it runs
 
     @property
     def url(self) -> str:
@@ -150,6 +157,8 @@ class Mesh:
         if self.spec.tls is not None:  # every service's TlsSettings read these
             tls = self.spec.tls
             env.update(YINIAN_TLS_CERT=tls.cert, YINIAN_TLS_KEY=tls.key, YINIAN_TLS_CA=tls.ca)
+        if role in GPU_ROLES:
+            env.update(self._gpu_env)
         env.update(self.spec.role_env.get(role, {}))
         env.update(extra or {})
         return self._add(launch(name, [sys.executable, "-m", module, *argv], env,
@@ -324,6 +333,7 @@ class Mesh:
             self.scheduler_address = _bound_address(scheduler)
             if self.spec.kvstore:
                 self.kvstore_address = _bound_address(started[-1])
+            self._start_mps()
             placed = self._placed()
             workers = [
                 self._spawn(
@@ -353,6 +363,18 @@ class Mesh:
         if self.spec.gateways:
             check_port_free(self.spec.host, self.spec.port, "REST")
             check_port_free(self.spec.host, self._grpc_port, "gRPC")
+
+    def _start_mps(self) -> None:
+        if not mps.wanted(self.spec.mps, self.spec.experts, self.spec.engine_argv):
+            return
+        daemon = mps.MpsDaemon(self.log_dir)
+        try:
+            self._gpu_env = daemon.start()
+            self.mps = daemon
+        except RuntimeError as exc:
+            if self.spec.mps == "on":
+                raise
+            print(f"the GPU services run without MPS: {exc}", flush=True)
 
     def _spawn_gateway(self, index: int) -> Child:
         ports = (self.spec.port, self._grpc_port) if index == 0 else (0, 0)
@@ -440,6 +462,8 @@ class Mesh:
         """Stops the services together, then NATS and Redis."""
         services = [c.proc for c in self.children if c.name not in INFRASTRUCTURE]
         stop_processes(services)
+        if self.mps is not None:
+            self.mps.stop()
         stop_processes([c.proc for c in self.children if c.name in INFRASTRUCTURE])
 
     def __enter__(self) -> Mesh:

@@ -125,6 +125,14 @@ def add_up_parser(sub) -> None:
         help="expert slots per MoE layer beyond one per expert, for EPLB's replicas of hot experts",
     )
     p.add_argument(
+        "--mps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the GPU services as clients of an MPS daemon of the mesh's own, so "
+        "processes sharing a GPU run side by side instead of taking turns (auto: where "
+        "expert services share the workers' GPU)",
+    )
+    p.add_argument(
         "--public-prefixes",
         help="JSON file of prefixes every tenant shares in the KV cache (system prompts): "
         "texts, {messages} or {token_ids}",
@@ -249,6 +257,7 @@ def run_up(args) -> int:
         drain_timeout=args.drain_timeout,
         experts=args.experts,
         expert_argv=["--slots", str(args.expert_slots)] if args.expert_slots else [],
+        mps=args.mps,
         max_workers=args.max_workers if planner is not None else 0,
     )
     mesh = Mesh(spec)

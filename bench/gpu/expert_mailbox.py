@@ -3,7 +3,8 @@ a worker's mailbox port and one member in another process, on the GPU through
 CUDA IPC (host shared memory with --device cpu).
 
 round_trip (and round_trip_no_spin: each end sleeps on its doorbell at once, no
-polling first): per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
+polling first; round_trip_mps: both processes clients of an MPS daemon, as `yinian
+up` runs them on one GPU): per row count (decode at 1 and 64 tokens x top-8, a 4k prefill
 chunk's pairs), the member answers each dispatch with its rows unchanged
 (the reply is the activations themselves), the worker checks every
 reply bit for bit, and the time a dispatch takes in a run of many back to back
@@ -116,6 +117,32 @@ def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None
                 proc.kill()
 
 
+def under_mps(rows_list, repeats: int) -> dict:
+    """round_trip with both ends clients of an MPS daemon of this run's own (the
+    way `yinian up` runs a worker and its expert services on one GPU), in a child
+    process: this one has a context outside it already."""
+    import json
+    import os
+
+    from yinian.mps import MpsDaemon
+
+    with tempfile.TemporaryDirectory(prefix="mps-") as folder:
+        daemon = MpsDaemon(Path(folder))
+        env = dict(os.environ, **daemon.start())
+        try:
+            code = ("import json, torch; from bench.gpu.expert_mailbox import round_trip; "
+                    f"print(json.dumps(round_trip(torch.device('cuda'), {list(rows_list)}, "
+                    f"{repeats}, None)))")  # fmt: skip
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            print(out.stdout, out.stderr[-2000:], flush=True)
+            if out.returncode:
+                raise RuntimeError(f"the run under MPS exited {out.returncode}")
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            daemon.stop()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = script_parser(__doc__).parse_args(argv)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
@@ -124,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows, repeats = (ROWS[:2], 20) if dry else (ROWS, 500)
         section("round_trip", lambda: round_trip(device, rows, repeats, None))
         section("round_trip_no_spin", lambda: round_trip(device, rows, repeats, 0.0))
+        section("round_trip_mps", lambda: under_mps(rows, repeats), needs="CUDA")
         return section.results
 
 

@@ -39,6 +39,8 @@ from yinian.mesh import Mesh, MeshSpec
 SHAPES = [("qwen3-30b-a3b", 48, 128, 8), ("deepseek-v3", 58, 256, 32)]
 DRY_SHAPES = [("small", 4, 32, 4)]
 SKEW = 1.2  # Zipf exponent: the hottest expert of a layer gets ~rank^-1.2 of the load
+# Both meshes' workers: batches of the streams run, no more (fewer shapes to warm up).
+LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
 REPORTS = 0.5  # s between the services' load reports (0.1 in a dry run)
 
 
@@ -207,7 +209,8 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
         memory = ["--gpu-memory-utilization", "0.5"] if count and device == "cuda" else []
         spec = MeshSpec(
             model=str(folder), workers=1, experts=count, port=0,
-            engine_argv=["--load-format", "dummy", "--device", device, *dtype, *memory],
+            engine_argv=["--load-format", "dummy", "--device", device, *dtype, *memory,
+                         *LIMITS],
             expert_argv=["--device", device, "--load-format", "dummy", *dtype,
                          "--slots", str(slots)],
             scheduler_argv=["--expert-redundant-slots", str(slots * experts - routed)],

@@ -420,3 +420,24 @@ def test_extend_attention_variants_are_checked_against_the_pointer_kernel(fresh_
     assert isinstance(report[best], float)
     assert report[Candidate("bad", tuple(sorted(config[0].items())))].startswith("wrong output")
     assert "candidate bad" in caplog.text and "candidate tma" not in caplog.text
+
+
+def test_a_candidate_may_call_an_operator_that_is_not_tuned_yet(fresh_cache):
+    """A MoE candidate runs a shared expert's SiLU, itself tuned on first use: tuning
+    it inside the outer tuning must not wait on the lock its own process holds (a
+    fresh machine's worker hung there for minutes, until it was killed)."""
+    import threading
+
+    rows = dict(bucket=lambda x: (x.shape[0],), timer=wall_timer, tune_on_cpu=True)
+    inner = Selector("inner", {"a": lambda x, k: x + k}, {"a": [{"k": 1}, {"k": 1.0}]}, **rows)
+    outer = Selector(
+        "outer", {"b": lambda x, s: inner(x) * s}, {"b": [{"s": 2}, {"s": 2.0}]}, **rows
+    )
+    got = []
+    worker = threading.Thread(target=lambda: got.append(outer(torch.ones(3))), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "tuning waited on its own lock"
+    assert torch.equal(got[0], torch.full((3,), 4.0))
+    stored = json.loads(next(fresh_cache.glob("cpu__*.json")).read_text())
+    assert set(stored) >= {"inner", "outer"}  # both tuned, both remembered
