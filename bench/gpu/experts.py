@@ -135,23 +135,35 @@ def _window(status: expert_pb2.ExpertStatus) -> torch.Tensor | None:
 
 
 def _worker_counters(mesh) -> dict:
-    """The worker's expert counters: pairs computed remote and local, fallbacks, and
-    the placement version it routes by."""
+    """The expert counters: pairs the worker computed remote and local, its fallbacks,
+    the placement version it routes by, and seconds (with counts) of its dispatches,
+    its combines' waits and the services' computing."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = next(u for name, u in mesh.metrics_endpoints().items() if name.startswith("worker"))
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    keys = {"yinian:expert_dispatch_seconds": "dispatch",
+            "yinian:expert_combine_wait_seconds": "combine_wait",
+            "yinian:expert_service_compute_seconds": "service_compute"}  # fmt: skip
     out = {"remote": 0.0, "local": 0.0, "fallbacks": 0.0, "version": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "yinian:expert_tokens_dispatched_total":
-                out[sample.labels["where"]] += sample.value
-            elif sample.name == "yinian:expert_fallbacks_total":
-                out["fallbacks"] += sample.value
-            elif sample.name == "yinian:expert_placement_version":
-                out["version"] = sample.value
+    for name, url in mesh.metrics_endpoints().items():
+        if not name.startswith(("worker", "expert")):
+            continue
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "yinian:expert_tokens_dispatched_total":
+                    out[sample.labels["where"]] += sample.value
+                elif sample.name == "yinian:expert_fallbacks_total":
+                    out["fallbacks"] += sample.value
+                elif sample.name == "yinian:expert_placement_version":
+                    out["version"] = sample.value
+                elif sample.name.removesuffix("_sum") in keys and sample.name.endswith("_sum"):
+                    key = keys[sample.name.removesuffix("_sum")] + "_s"
+                    out[key] = out.get(key, 0.0) + sample.value
+                elif sample.name.removesuffix("_count") in keys and sample.name.endswith("_count"):
+                    key = keys[sample.name.removesuffix("_count")] + "_n"
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -235,7 +247,8 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
                     texts[name] = [r["text"] for r in results]
             if count:
                 after = _worker_counters(mesh)  # the measured runs' pairs, remote and local
-                row["pairs"] = {k: after[k] - before[k] for k in ("remote", "local", "fallbacks")}
+                row["counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()
+                                   if k != "version"}  # fmt: skip
         finally:
             mesh.stop()
         out[name] = row

@@ -20,6 +20,10 @@ import torch
 from engine.expert_backend import expert_rows
 from services.expert.expert_weights import ExpertWeights
 
+# Row counts the expert kernels are warmed up at, by powers of two: up to a mailbox
+# slot's (a larger dispatch comes in pieces of it; services/expert_parallel/mailbox.py).
+WARM_ROWS = 4096
+
 
 @dataclass(frozen=True)
 class _Layer:
@@ -64,6 +68,9 @@ class ExpertStore:
                 self._layers[layer] = self._stack(layer, tensors)
                 loaded += len(new)
             self.held_version = max(self.held_version, version)
+            if loaded and self.device.type == "cuda":  # the CPU tunes nothing
+                # the stack sizes served until the old experts go, and after
+                self.warm({len(x.experts) for x in self._layers} | {len(w) for w in per_layer})
         return loaded
 
     def keep(self, per_layer: list[list[int]]) -> int:
@@ -92,6 +99,25 @@ class ExpertStore:
         if self.collecting:
             self._counts[layer].index_add_(0, expert_ids.cpu(), torch.ones_like(expert_ids.cpu()))
         return expert_rows(rows, held.w13, held.w2, local)
+
+    def warm(self, sizes: set[int], most_rows: int = WARM_ROWS) -> None:
+        """Runs the expert kernels once at every power-of-two row count up to `most_rows`
+        for stacks of each size in `sizes`: their tuning (seconds per shape on a
+        fresh machine) then happens here, before the balancer hands the placement to
+        the workers, not inside a dispatch whose timeout it would overrun."""
+        biggest = max(self._layers, key=lambda x: len(x.experts))
+        hidden = biggest.w13.shape[2]
+        with torch.inference_mode():
+            for size in sorted(k for k in sizes if 0 < k <= len(biggest.experts)):
+                w13, w2 = biggest.w13[:size], biggest.w2[:size]
+                rows = 1
+                while rows <= most_rows:
+                    x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
+                    ids = torch.arange(rows, device=self.device) % size
+                    expert_rows(x, w13, w2, ids)
+                    rows *= 2
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def take_counts(self) -> torch.Tensor:
         """Tokens per (layer, logical expert) since the last call; resets."""

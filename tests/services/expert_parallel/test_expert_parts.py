@@ -236,3 +236,24 @@ def test_dummy_experts_are_the_dummy_worker_s_own(model_dir, preset):
             assert torch.equal(w13, moes[moe_layer].w13[expert])
             assert torch.equal(w2, moes[moe_layer].w2[expert])
     assert not torch.equal(moes[0].w13[0], moes[0].w13[1])  # each expert its own numbers
+
+
+def test_an_expert_store_warms_every_shape_it_will_serve(model_dir, monkeypatch):
+    """The kernels of each stack size a placement brings run at every power-of-two
+    row count before the placement is served (on a GPU, where they are tuned then)."""
+    from basis.model_config import ModelConfig
+    from services.expert import expert_store
+    from services.expert.expert_weights import ExpertWeights
+
+    folder = model_dir("tiny-moe")
+    config = ModelConfig.from_pretrained(folder)
+    store = expert_store.ExpertStore(ExpertWeights(folder, config), torch.float32,
+                                     torch.device("cpu"))  # fmt: skip
+    store.load(1, [[0, 3, 5], [1]])
+    seen = []
+    real = expert_store.expert_rows
+    monkeypatch.setattr(expert_store, "expert_rows",
+                        lambda x, w13, w2, ids: seen.append((x.shape[0], w13.shape[0]))
+                        or real(x, w13, w2, ids))  # fmt: skip
+    store.warm({2, 3, 9}, most_rows=8)  # 9: more than any layer holds, skipped
+    assert seen == [(n, k) for k in (2, 3) for n in (1, 2, 4, 8)]
