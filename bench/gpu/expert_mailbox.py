@@ -20,6 +20,7 @@ Usage: python -m bench.gpu.expert_mailbox --out bench/results/expert_mailbox.jso
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,18 @@ _MEMBER = textwrap.dedent("""
     spin = None if sys.argv[5] == "default" else float(sys.argv[5])
     box = MemberMailbox(open(sys.argv[1], "rb").read(), device, spin=spin)
     print("open", flush=True)
-    while (got := box.receive()) is not None:
+    import time, statistics
+    waits, replies = [], []
+    while True:
+        t0 = time.perf_counter()
+        got = box.receive()
+        t1 = time.perf_counter()
+        if got is None:
+            break
         box.reply(got[1])  # the rows themselves
+        waits.append(t1 - t0); replies.append(time.perf_counter() - t1)
+    med = lambda xs: statistics.median(xs) * 1e6 if xs else 0.0
+    print(f"member {med(waits):.1f} {med(replies):.1f}", flush=True)
 """)
 
 
@@ -94,20 +105,34 @@ def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None
                 ids = torch.arange(rows, device=device) % 128
                 ok = all(torch.equal(port.send(0, [rows], x, ids).wait(), x) for _ in range(3))
                 _sync(device)
+                sends, waits = [], []
                 start = time.perf_counter()
                 for _ in range(repeats):
-                    result = port.send(0, [rows], x, ids).wait()
+                    t0 = time.perf_counter()
+                    pending = port.send(0, [rows], x, ids)
+                    t1 = time.perf_counter()
+                    result = pending.wait()
+                    sends.append(t1 - t0)
+                    waits.append(time.perf_counter() - t1)
                 _sync(device)
                 seconds = (time.perf_counter() - start) / repeats
                 moved = 2 * x.numel() * x.element_size() + ids.numel() * 8
                 ceiling = _copy_ceiling(moved, device, repeats)
                 row = {"rows": rows, "bytes": moved, "equal": ok and torch.equal(result, x),
                        "round_trip_us": seconds * 1e6, "copy_us": ceiling * 1e6,
-                       "copy_over_round_trip": ceiling / seconds}  # fmt: skip
+                       "copy_over_round_trip": ceiling / seconds,
+                       "host_send_us": statistics.median(sends) * 1e6,
+                       "host_wait_us": statistics.median(waits) * 1e6}  # fmt: skip
                 out["by_rows"].append(row)
                 print(f"{rows:5d} rows: {row['round_trip_us']:8.1f} us a dispatch "
                       f"(the copy alone {row['copy_us']:.1f} us), equal {row['equal']}",
                       flush=True)  # fmt: skip
+            port.close()  # the member's loop ends and it prints its medians
+            tail, _ = proc.communicate(timeout=10)
+            words = tail.split()  # "member RECEIVE_US REPLY_US"
+            if "member" in words:
+                at = words.index("member") + 1
+                out["member_receive_us"], out["member_reply_us"] = map(float, words[at : at + 2])
             return out
         finally:
             port.close()
@@ -115,6 +140,42 @@ def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None
                 proc.wait(10)
             finally:
                 proc.kill()
+
+
+def member_compute(device: torch.device, repeats: int) -> dict:
+    """What an expert service's compute of one dispatch costs alone, in one process:
+    deepseek-v2-lite's expert shapes, 18 experts held (a quarter of 64 and spares),
+    rows spread over them, as `ExpertStore.compute` runs it: the ids mapped to the
+    stack, the check that each is held (a host sync), the fused MoE at top-1.
+    `pipelined_us`: calls back to back; `with_check_us`: each with that check."""
+    from engine.expert_backend import expert_rows
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden, width, held = (2048, 1408, 18) if device.type == "cuda" else (64, 32, 6)
+    w13 = torch.randn(held, 2 * width, hidden, device=device).to(dtype) * 0.02
+    w2 = torch.randn(held, hidden, width, device=device).to(dtype) * 0.02
+    local = torch.arange(64, device=device) % held
+    out = {"hidden": hidden, "width": width, "held": held, "by_rows": []}
+    for rows in (2, 16, 128):
+        x = torch.randn(rows, hidden, device=device).to(dtype)
+        ids = torch.arange(rows, device=device) % 64
+        timings = {}
+        for name, check in (("pipelined_us", False), ("with_check_us", True)):
+            for _ in range(3):
+                expert_rows(x, w13, w2, local[ids])
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                mapped = local[ids]
+                if check and bool((mapped < 0).any()):
+                    raise AssertionError("unreachable")
+                expert_rows(x, w13, w2, mapped)
+            _sync(device)
+            timings[name] = (time.perf_counter() - start) / repeats * 1e6
+        out["by_rows"].append({"rows": rows, **timings})
+        print(f"member compute {rows:4d} rows: {timings['pipelined_us']:.1f} us pipelined, "
+              f"{timings['with_check_us']:.1f} us with the check", flush=True)  # fmt: skip
+    return out
 
 
 def under_mps(rows_list, repeats: int) -> dict:
@@ -152,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         section("round_trip", lambda: round_trip(device, rows, repeats, None))
         section("round_trip_no_spin", lambda: round_trip(device, rows, repeats, 0.0))
         section("round_trip_mps", lambda: under_mps(rows, repeats), needs="CUDA")
+        section("member_compute", lambda: member_compute(device, 20 if dry else 200))
         return section.results
 
 
