@@ -26,6 +26,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -142,6 +143,23 @@ def round_trip(device: torch.device, rows_list, repeats: int, spin: float | None
                 proc.kill()
 
 
+def _profile(fn, calls: int, top: int = 12) -> list[str]:
+    """The host functions that took the most of `calls` calls of `fn` (cProfile, by
+    own time): where a call's host time goes when it exceeds its kernels'."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+
+
 def member_compute(device: torch.device, repeats: int) -> dict:
     """What an expert service's compute of one dispatch costs alone, in one process:
     deepseek-v2-lite's expert shapes, 18 experts held (a quarter of 64 and spares),
@@ -172,7 +190,13 @@ def member_compute(device: torch.device, repeats: int) -> dict:
                 expert_rows(x, w13, w2, mapped)
             _sync(device)
             timings[name] = (time.perf_counter() - start) / repeats * 1e6
-        out["by_rows"].append({"rows": rows, **timings})
+        out["by_rows"].append(
+            {
+                "rows": rows,
+                **timings,
+                "host_profile": _profile(partial(expert_rows, x, w13, w2, local[ids]), 50),
+            }
+        )
         print(f"member compute {rows:4d} rows: {timings['pipelined_us']:.1f} us pipelined, "
               f"{timings['with_check_us']:.1f} us with the check", flush=True)  # fmt: skip
     return out
