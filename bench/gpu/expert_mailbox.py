@@ -168,6 +168,10 @@ def member_compute(device: torch.device, repeats: int) -> dict:
     `pipelined_us`: calls back to back; `with_check_us`: each with that check."""
     from engine.expert_backend import expert_rows
 
+    if device.type == "cuda":  # the Triton kernels, as the expert service registers them
+        from kernels.cuda_ops import register
+
+        register()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden, width, held = (2048, 1408, 18) if device.type == "cuda" else (64, 32, 6)
     w13 = torch.randn(held, 2 * width, hidden, device=device).to(dtype) * 0.02

@@ -15,6 +15,8 @@ throughput with the experts in separate processes against colocated.
   qwen3-30b-a3b (deepseek-v2-lite on a card under 120 GiB; dummy weights) with the
   experts colocated and on 4 (2) expert services, each mesh's start-up, and how
   many greedy texts agree.
+- colocated_eager (CUDA): the colocated worker with --enforce-eager (a worker on
+  expert services runs its steps eagerly: its dispatches are not graph-safe).
 
 Usage: python -m bench.gpu.experts --out bench/results/experts.json [--device cpu [--full]]
 Sections: eplb_replay, live_skew, throughput.
@@ -194,7 +196,7 @@ def _preset_for(device: str, preset: str | None) -> str:
 
 
 def throughput(streams: int, tokens: int, experts: int, preset: str | None = None,
-               device: str = "cuda") -> dict:  # fmt: skip
+               device: str = "cuda", eager: bool = False) -> dict:  # fmt: skip
     """Colocated vs expert services (the worker's default transport: mailboxes over
     CUDA IPC on one GPU): output tokens/s at `streams` streams and at one, each
     mesh's start-up, and whether the greedy texts agree. On the CPU (a tiny preset)
@@ -217,8 +219,10 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
     # too (it computes a failed dispatch), so beside the services it leaves them half.
     slots = -(-routed * 9 // 8 // experts)
     texts = {}
-    for name, count in (("colocated", 0), ("expert_services", experts)):
+    configs = [("colocated", 0), ("expert_services", experts)] if experts else [("colocated", 0)]
+    for name, count in configs:
         memory = ["--gpu-memory-utilization", "0.5"] if count and device == "cuda" else []
+        memory += ["--enforce-eager"] if eager else []
         spec = MeshSpec(
             model=str(folder), workers=1, experts=count, port=0,
             engine_argv=["--load-format", "dummy", "--device", device, *dtype, *memory,
@@ -257,7 +261,7 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
         pairs = list(zip(texts["colocated"], texts["expert_services"]))
         out["equal_texts"] = sum(a == b for a, b in pairs)
         out["compared"] = len(pairs)
-    for label in ("batch", "single"):
+    for label in ("batch", "single") if experts else ():
         key = f"{label}_output_tok_s"
         out[f"{label}_ratio"] = out["expert_services"][key] / out["colocated"][key]
     return out
@@ -279,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                0.1 if dry else REPORTS))  # fmt: skip
         section("throughput", lambda: throughput(64, 128, 4), needs="CUDA")
         section("throughput_2", lambda: throughput(64, 128, 2), needs="CUDA")
+        # the colocated worker without CUDA graphs (as a worker on expert services runs)
+        section("colocated_eager", lambda: throughput(64, 128, 0, eager=True), needs="CUDA")
         for name, row in (section.results.get("eplb_replay") or {}).items():
             if "with_mean" in row:
                 print(f"{name}: max/mean without {row['without_mean']:.2f} "
