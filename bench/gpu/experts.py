@@ -217,7 +217,7 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
     # Each service holds its share of a layer's experts and 12.5 % spare slots (the
     # balancer's redundant replicas), not all of them. The worker keeps every expert
     # too (it computes a failed dispatch), so beside the services it leaves them half.
-    slots = -(-routed * 9 // 8 // experts)
+    slots = -(-routed * 9 // 8 // max(1, experts))
     texts = {}
     configs = [("colocated", 0), ("expert_services", experts)] if experts else [("colocated", 0)]
     for name, count in configs:
