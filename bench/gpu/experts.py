@@ -229,7 +229,7 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
                          *LIMITS],
             expert_argv=["--device", device, "--load-format", "dummy", *dtype,
                          "--slots", str(slots)],
-            scheduler_argv=["--expert-redundant-slots", str(slots * experts - routed)],
+            scheduler_argv=["--expert-redundant-slots", str(max(0, slots * experts - routed))],
         )  # fmt: skip
         began = time.monotonic()
         mesh = Mesh(spec).start(timeout=1800)
