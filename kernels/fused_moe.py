@@ -146,7 +146,8 @@ def _launch(
     sorted_ids, expert_ids, _ = moe_align(topk_ids, num_experts, block_m, load)
     num_blocks = expert_ids.shape[0]
     act = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # zeros: a pair moe_align dropped (an id outside [0, E)) is never written, adds nothing
+    y = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     # Small problems get narrower tiles (tl.dot needs at least 16 on each side).
     block_n1 = max(16, min(block_n1, next_power_of_2(width)))
     block_k1 = max(16, min(block_k1, next_power_of_2(hidden)))
@@ -251,7 +252,8 @@ def fused_moe(
     """Routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) -> [T, H] in x's dtype.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights float
-    [T, k]; topk_ids int32 or int64 [T, k], each in [0, E) (not checked: a host sync).
+    [T, k]; topk_ids int32 or int64 [T, k]: a pair whose id lies outside [0, E) adds
+    nothing (an expert service's partial sum over the experts it holds).
     load, if given (int64 [E], contiguous), gets each expert's number of pairs added (the
     counters expert balancing reads), inside the kernels. shared, if given (gate_up [2S, H]
     gate rows then up rows, down [H, S], contiguous): an always-on expert whose output is

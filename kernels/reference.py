@@ -113,14 +113,19 @@ def fused_moe(
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I].
     Tokens are grouped by expert so each expert runs one matmul. load (int64 [E]), if
-    given, gets each expert's number of pairs added.
+    given, gets each expert's number of pairs added. A pair whose id lies outside
+    [0, E) adds nothing (an expert service's partial sum over the experts it holds).
     """
     tokens, top_k = topk_ids.shape
+    experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    # an id outside [0, E) is a pair of an expert held elsewhere: it adds nothing
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < experts), flat_ids, experts)
     if load is not None:
-        load.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=load.dtype))
+        held = flat_ids[flat_ids < experts]
+        load.index_add_(0, held, torch.ones_like(held, dtype=load.dtype))
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=experts + 1)[:experts].tolist()
     token_of = order // top_k
     out = torch.zeros(tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
     start = 0

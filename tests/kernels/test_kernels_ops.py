@@ -405,3 +405,28 @@ def test_empty_batch():
     x, w13, w2, _ = moe_inputs(1, 4, 2, 32, 16, torch.float32)
     out = fused_moe(x[:0], w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64))
     assert out.shape == (0, 32) and not math.isnan(out.sum().item())
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,width", [MOE_CASES[2], MOE_CASES[3]])
+def test_fused_moe_of_the_experts_held_sums_to_the_whole(tokens, experts, top_k, hidden, width):
+    """Two expert services each hold half the experts and get every pair, the others'
+    ids out of range: their outputs sum to the whole layer's (grouped and per-pair
+    kernels and the reference), and each counts only its own pairs."""
+    dtype = torch.float32
+    x, w13, w2, logits = moe_inputs(tokens, experts, top_k, hidden, width, dtype, seed=7)
+    weights, ids = moe_route(logits, top_k, renormalize=True)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    half = experts // 2
+    parts = []
+    for held in (range(half), range(half, experts)):
+        local = torch.full((experts,), -1, dtype=torch.int64)
+        local[list(held)] = torch.arange(len(held))
+        mine = local[ids]  # -1: a pair of the other service
+        w13_h, w2_h = w13[list(held)].contiguous(), w2[list(held)].contiguous()
+        load = torch.zeros(len(held), dtype=torch.int64)
+        got = fused_moe(x, w13_h, w2_h, weights, mine.to(torch.int32), load)
+        assert torch.equal(load, torch.bincount(mine[mine >= 0], minlength=len(held)))
+        assert_close(fused_moe_rows(x, w13_h, w2_h, weights, mine, None, **ROWS_CONFIGS[0]), got)
+        assert_close(reference.fused_moe(x, w13_h, w2_h, weights, mine), got)
+        parts.append(got)
+    assert_close(parts[0] + parts[1], want)
