@@ -7,7 +7,9 @@ deepseek-v2-lite's MoE shapes (hidden 2048, expert width 1408, 64 experts, top-6
 batch T: `colocated_us`, the worker's graph of the 26 fused MoE layers;
 `stream_us`, its graph of 26 hand-offs (send, the members' partial sums, their
 sum) with the members computing eagerly; `stream_graphs_us`, the same with each
-member replaying a graph per (layer, slot, T) (captured on its second sight).
+member replaying a graph per (layer, slot, T) (captured on its second sight);
+one_member_graphs: a single member holding all 64 experts, so what the stream
+path adds to the same compute is its hand-offs alone.
 Every process is a client of an MPS daemon this run starts (as `yinian up`
 runs them); the outputs of the stream path are checked against colocated.
 
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     with Sections(args, script="expert_stream") as section:
         section("four_members_graphs", lambda: _run(4, True), needs="CUDA")
         section("four_members_eager", lambda: _run(4, False), needs="CUDA")
+        # one member holding every expert: what a hand-off costs beyond the same compute
+        section("one_member_graphs", lambda: _run(1, True), needs="CUDA")
         return section.results
 
 
