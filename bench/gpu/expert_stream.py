@@ -115,7 +115,8 @@ _WORKER = _COMMON + textwrap.dedent("""
     out = {"members": members, "member_graphs": graphs == "1", "by_batch": []}
     for t in (1, 64):
         x, weights, ids = inputs(t, t)
-        split = [torch.where(owner[ids.long()] == m, ids, -1).contiguous() for m in range(members)]
+        split = torch.where(owner[ids.long()] == torch.arange(members, device=dev)[:, None, None],
+                            ids, -1)
         def colocated():
             h = x
             for l in range(L):

@@ -59,7 +59,7 @@ class StreamMember:
         slots, capacity, hidden, top_k = self.slots, desc["capacity"], desc["hidden"], desc["top_k"]
         if on_gpu:
             cuda = desc["cuda"]
-            self.tokens, self.weights, self.ids, self.out = (
+            self.tokens, self.weights, ids, out = (
                 open_remote(cuda[k])[0] for k in ("hidden", "weights", "ids", "out")
             )
             if self.tokens.device != device:
@@ -70,8 +70,9 @@ class StreamMember:
             self.tokens = shared_tensor(Path(paths["hidden"]), (slots, capacity, hidden), dtype)
             self.weights = shared_tensor(Path(paths["weights"]), (slots, capacity, top_k),
                                          torch.float32)  # fmt: skip
-            self.ids = shared_tensor(Path(paths["ids"]), (slots, capacity, top_k), torch.int32)
-            self.out = shared_tensor(Path(paths["out"]), (slots, capacity, hidden), dtype)
+            ids = shared_tensor(Path(paths["ids"]), (members, slots, capacity, top_k), torch.int32)
+            out = shared_tensor(Path(paths["out"]), (members, slots, capacity, hidden), dtype)
+        self.ids, self.out = ids[self.member], out[self.member]  # this member's part
         same_pids = desc["pidns"] == pid_namespace()
         self.worker_pid = desc["worker_pid"] if same_pids else None
         self.flags.host[self.control["pid"] + self.member] = os.getpid() if same_pids else 0

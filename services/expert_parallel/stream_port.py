@@ -98,10 +98,10 @@ class StreamPort:
             self.flags.host[self.control["closed"]] = 0
             self.tokens = self._buffer("hidden", (slots, capacity, hidden), dtype)
             self.weights = self._buffer("weights", (slots, capacity, top_k), torch.float32)
-            self.ids = [self._buffer(f"ids{m}", (slots, capacity, top_k), torch.int32)
-                        for m in range(members)]  # fmt: skip
-            self.out = [self._buffer(f"out{m}", (slots, capacity, hidden), dtype)
-                        for m in range(members)]  # fmt: skip
+            # every member's ids and partial sums in one tensor each: one copy in, one
+            # sum out per dispatch, however many members
+            self.ids = self._buffer("ids", (members, slots, capacity, top_k), torch.int32)
+            self.out = self._buffer("out", (members, slots, capacity, hidden), dtype)
         except (OSError, RuntimeError) as exc:
             self.close()
             raise MailboxError(f"cannot make the expert stream buffers: {exc}") from exc
@@ -121,13 +121,12 @@ class StreamPort:
                 "capacity": self.capacity, "hidden": self.hidden, "top_k": self.top_k,
                 "dtype": str(self.dtype).removeprefix("torch."), "worker_pid": os.getpid(),
                 "pidns": pid_namespace(), "cuda": None, "paths": None}  # fmt: skip
-        tensors = {"hidden": self.tokens, "weights": self.weights, "ids": self.ids[m],
-                   "out": self.out[m]}  # fmt: skip
+        tensors = {"hidden": self.tokens, "weights": self.weights, "ids": self.ids,
+                   "out": self.out}  # fmt: skip
         if self.device.type == "cuda":
             desc["cuda"] = {k: describe([t]) for k, t in tensors.items()}
         else:
-            names = {"hidden": "hidden", "weights": "weights", "ids": f"ids{m}", "out": f"out{m}"}
-            desc["paths"] = {k: str(self.stem.with_suffix(f".{v}")) for k, v in names.items()}
+            desc["paths"] = {k: str(self.stem.with_suffix(f".{k}")) for k in tensors}
         return pickle.dumps(desc)
 
     def opened(self) -> None:
@@ -144,9 +143,9 @@ class StreamPort:
 
     # -- the engine thread's side ----------------------------------------------
     def send(self, layer: int, tokens: torch.Tensor, weights: torch.Tensor,
-             member_ids: list[torch.Tensor]) -> _Dispatch:  # fmt: skip
-        """Queues one dispatch: `tokens` [T, H], `weights` [T, k] and each member's
-        expert ids [T, k] (-1: not its pair)."""
+             member_ids: torch.Tensor) -> _Dispatch:  # fmt: skip
+        """Queues one dispatch: `tokens` [T, H], `weights` [T, k] and the members'
+        expert ids [members, T, k] (-1: not that member's pair)."""
         if self.closed:
             raise MailboxError("the expert stream is closed")
         rows = tokens.shape[0]
@@ -159,8 +158,7 @@ class StreamPort:
         self._busy[slot] = True
         self.tokens[slot, :rows].copy_(tokens, non_blocking=True)
         self.weights[slot, :rows].copy_(weights, non_blocking=True)
-        for m, ids in enumerate(member_ids):
-            self.ids[m][slot, :rows].copy_(ids, non_blocking=True)
+        self.ids[:, slot, :rows].copy_(member_ids, non_blocking=True)
         for m in range(self.members):
             self.flags.write(flag_index(m, slot, self.slots)[0], (layer + 1) << 32 | rows)
         return _Dispatch(slot, rows)
@@ -168,19 +166,16 @@ class StreamPort:
     def combine(self, dispatch: _Dispatch) -> torch.Tensor:
         """The members' partial sums added up, [T, H]."""
         slot, rows = dispatch.slot, dispatch.rows
-        total = None
         try:
             for m in range(self.members):
                 replied = flag_index(m, slot, self.slots)[1]
                 self.flags.wait(replied, 1, lambda m=m: self._alive(m), self.timeout)
                 self.flags.write(replied, 0)
-                part = self.out[m][slot, :rows]
-                total = part.clone() if total is None else total.add_(part)
         except FlagError as exc:
             raise MailboxError(str(exc)) from exc
         finally:
             self._busy[slot] = False
-        return total
+        return self.out[:, slot, :rows].sum(dim=0)
 
     def _alive(self, member: int) -> None:
         host = self.flags.host

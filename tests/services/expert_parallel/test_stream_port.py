@@ -60,9 +60,9 @@ def _members(port: StreamPort, tmp_path, ranks=(1, 2)) -> list[subprocess.Popen]
     return procs
 
 
-def _split(ids: torch.Tensor) -> list[torch.Tensor]:
-    """Each member's ids: the pair's expert where it holds it, -1 elsewhere."""
-    return [torch.where(torch.isin(ids, torch.tensor(h)), ids, -1).to(torch.int32) for h in HELD]
+def _split(ids: torch.Tensor) -> torch.Tensor:
+    """Each member's ids [members, T, k]: the pair's expert where it holds it, -1 elsewhere."""
+    return torch.stack([torch.where(torch.isin(ids, torch.tensor(h)), ids, -1) for h in HELD])
 
 
 def _stop(port: StreamPort, procs) -> None:
