@@ -22,6 +22,7 @@ class EngineFacts:
     has_host_tier: bool
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192  # tokens in one step at most
 
     @property
     def kv_block_layout(self) -> str:

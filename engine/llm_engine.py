@@ -80,6 +80,7 @@ class LLMEngine:
             has_host_tier=self.tiers.host is not None,
             tensor_parallel_size=self.config.tensor_parallel_size,
             pipeline_parallel_size=self.config.pipeline_parallel_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)

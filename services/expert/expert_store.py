@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.expert_backend import expert_rows
+from kernels import ops
 from services.expert.expert_weights import ExpertWeights
 
 # Row counts the expert kernels are warmed up at, by powers of two: up to a mailbox
@@ -100,21 +101,47 @@ class ExpertStore:
             self._counts[layer].index_add_(0, expert_ids.cpu(), torch.ones_like(expert_ids.cpu()))
         return expert_rows(rows, held.w13, held.w2, local)
 
+    def compute_partial(self, layer: int, tokens: torch.Tensor, weights: torch.Tensor,
+                        expert_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The weighted sum over the pairs of `expert_ids` [T, k] held here (-1: a pair
+        of another service) of their experts' outputs, [T, H]: this service's part
+        of the layer (the stream path). A pair routed here whose expert is not held
+        would add nothing: on the CPU that is checked (a LookupError); on a GPU it
+        would cost a host sync per layer, and the rollout keeps it from happening
+        (experts are freed only once every worker routes by the new placement)."""
+        held = self._layers[layer]
+        ids = expert_ids.long()
+        local = torch.where(ids >= 0, held.local.to(ids.device)[ids.clamp(min=0)], -1)
+        if tokens.device.type == "cpu" and bool(((ids >= 0) & (local < 0)).any()):
+            missing = sorted(set(ids[(ids >= 0) & (local < 0)].tolist()))
+            raise LookupError(f"MoE layer {layer}: experts {missing} are not held here")
+        if self.collecting:
+            mine = ids[ids >= 0].cpu()
+            self._counts[layer].index_add_(0, mine, torch.ones_like(mine))
+        if not held.experts:
+            return torch.zeros_like(tokens)
+        return ops.fused_moe(tokens, held.w13, held.w2, weights, local.to(torch.int32))
+
     def warm(self, sizes: set[int], most_rows: int = WARM_ROWS) -> None:
         """Runs the expert kernels once at every power-of-two row count up to `most_rows`
-        for stacks of each size in `sizes`: their tuning (seconds per shape on a
-        fresh machine) then happens here, before the balancer hands the placement to
-        the workers, not inside a dispatch whose timeout it would overrun."""
+        for stacks of each size in `sizes` (rows of pairs, as the mailbox path sends
+        them, and tokens with all their pairs, as the stream path does): their tuning
+        (seconds per shape on a fresh machine) then happens here, before the balancer
+        hands the placement to the workers, not inside a dispatch whose timeout it
+        would overrun."""
         biggest = max(self._layers, key=lambda x: len(x.experts))
         hidden = biggest.w13.shape[2]
         with torch.inference_mode():
             for size in sorted(k for k in sizes if 0 < k <= len(biggest.experts)):
                 w13, w2 = biggest.w13[:size], biggest.w2[:size]
                 rows = 1
+                top_k = max(1, self.weights.config.num_experts_per_tok)
                 while rows <= most_rows:
                     x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
-                    ids = torch.arange(rows, device=self.device) % size
-                    expert_rows(x, w13, w2, ids)
+                    ids = torch.arange(rows * top_k, device=self.device) % size
+                    expert_rows(x, w13, w2, ids[:rows])  # the mailbox path: rows of pairs
+                    weights = torch.ones(rows, top_k, device=self.device)
+                    ops.fused_moe(x, w13, w2, weights, ids.view(rows, top_k).to(torch.int32))
                     rows *= 2
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,7 +1,8 @@
 """An expert service's data path: one thread per worker group it joined, each
 receiving that worker's dispatches, computing them and answering, until the
 worker leaves or the group breaks (a peer died, the worker aborted it). A
-group is a collective one (gloo/NCCL) or the worker's mailbox on this host."""
+group is a collective one (gloo/NCCL), the worker's mailbox on this host, or its
+stream-ordered buffers (every token, answered with this service's part)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from services.expert.expert_store import ExpertStore
 from services.expert_parallel import metrics
 from services.expert_parallel.mailbox import MailboxError
 from services.expert_parallel.mailbox_member import MemberMailbox
+from services.expert_parallel.stream_member import StreamMember
 from services.expert_parallel.wire import MemberPort
 from services.kv_transport.nccl_group import (
     FOREVER,
@@ -25,7 +27,8 @@ from services.kv_transport.nccl_group import (
 )
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("gloo", "nccl", "shared")
+BACKENDS = ("gloo", "nccl", "shared", "stream")
+MAPPED = ("shared", "stream")  # the worker's buffers, mapped in Join
 
 
 class GroupServer:
@@ -54,9 +57,9 @@ class GroupServer:
             raise ValueError(f"hidden size {request.hidden_size} != {self.hidden_size}")
         if request.model and self.model and request.model != self.model:
             raise ValueError(f"the worker serves {request.model}, this service {self.model}")
-        if request.backend == "shared":
+        if request.backend in MAPPED:
             if not request.mailbox:
-                raise ValueError("a shared Join needs the worker's mailbox")
+                raise ValueError(f"a {request.backend} Join needs the worker's buffers")
         elif not request.store_host or not request.store_port:
             raise ValueError("a Join needs the rendezvous store's host and port")
 
@@ -65,9 +68,10 @@ class GroupServer:
         host (or GPU this process cannot see) learns at once (FailedPrecondition)."""
         self.check(request)
         mailbox = None
-        if request.backend == "shared":
+        if request.backend in MAPPED:
+            opener = MemberMailbox if request.backend == "shared" else StreamMember
             try:
-                mailbox = MemberMailbox(request.mailbox, self.store.device)
+                mailbox = opener(request.mailbox, self.store.device)
             except MailboxError as exc:
                 raise FailedPrecondition(str(exc)) from exc
         thread = threading.Thread(target=self._serve, args=(request, mailbox), daemon=True,
@@ -95,7 +99,7 @@ class GroupServer:
                           self.store.dtype, self.hidden_size)  # fmt: skip
         return port, lambda: abort_group(pg), lambda: abort_group(pg)
 
-    def _serve(self, request, mailbox: MemberMailbox | None) -> None:
+    def _serve(self, request, mailbox: MemberMailbox | StreamMember | None) -> None:
         if mailbox is not None:  # only this thread closes it (its doorbells)
             port, stop, end = mailbox, mailbox.stop, mailbox.close
         else:
@@ -115,9 +119,13 @@ class GroupServer:
                 if received is None:
                     break
                 started = time.monotonic()
-                layer, rows, ids = received
                 with torch.inference_mode():
-                    out = self.store.compute(layer, rows, ids)
+                    if isinstance(port, StreamMember):  # every token: this service's part
+                        layer, rows, weights, ids = received
+                        out = self.store.compute_partial(layer, rows, weights, ids)
+                    else:
+                        layer, rows, ids = received
+                        out = self.store.compute(layer, rows, ids)
                 port.reply(out)
                 metrics.SERVICE_TOKENS.labels(**labels).inc(rows.shape[0])
                 metrics.SERVICE_COMPUTE_SECONDS.labels(**labels).observe(time.monotonic() - started)

@@ -6,4 +6,6 @@ The worker's choices (its settings check them; importing this package loads noth
 else) are named here."""
 
 FALLBACKS = ("replicas", "local")  # a lost service's experts: surviving replicas, or here
-TRANSPORTS = ("auto", "shared", "collective")  # mailboxes on one host, or collectives
+# mailboxes on one host, or collectives; stream: the stream-ordered path (one host, named
+# only: on a GPU a member that dies mid-step stalls the worker's stream)
+TRANSPORTS = ("auto", "shared", "collective", "stream")

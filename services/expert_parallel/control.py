@@ -1,8 +1,8 @@
 """A worker's expert control plane (asyncio, beside the engine thread): polls
 the scheduler's expert balancer for the placement, forms the data-path group
 with its members (hands each over gRPC `Join` its mailbox, where every
-member can map one (`transport` auto or shared), else the rendezvous of a
-collective group), installs
+member can map one (`transport` auto or shared), its stream-ordered buffers
+(`stream`), else the rendezvous of a collective group), installs
 group and placement in the engine's `RemoteExperts` (switched at the next
 step boundary), and answers a failed group: members that do not answer a
 health check are reported lost, and a group of the others is formed at once
@@ -30,6 +30,7 @@ from services.expert_parallel.group import ExpertGroup, Rendezvous, model_tag
 from services.expert_parallel.mailbox import MailboxPort
 from services.expert_parallel.placement import Placement
 from services.expert_parallel.remote import RemoteExperts
+from services.expert_parallel.stream_port import StreamPort
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ExpertControl:
         self.fallback, self.timeout, self.poll_interval = fallback, timeout, poll_interval
         self.transport = transport
         self.tag, self.hidden = model_tag(model), config.hidden_size
+        self.top_k = config.num_experts_per_tok
         facts = engine.facts
         ranks = getattr(facts, "tensor_parallel_size", 1) * getattr(
             facts, "pipeline_parallel_size", 1
@@ -57,6 +59,7 @@ class ExpertControl:
             raise ValueError("expert services need an engine of one rank (no tensor or "
                              "pipeline parallelism)")  # fmt: skip
         self.device, self.dtype = facts.device, facts.kv_dtype
+        self.capacity = getattr(facts, "max_num_batched_tokens", 8192)  # tokens a dispatch
         self.backend_name = "nccl" if self.device.type == "cuda" else "gloo"
         self._failed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,6 +118,10 @@ class ExpertControl:
                     len(placement.members))  # fmt: skip
 
     async def _form(self, placement: Placement) -> ExpertGroup:
+        if self.transport == "stream":
+            return await self._form_mapped(placement, "stream", lambda n: StreamPort(
+                n, self.dtype, self.hidden, self.top_k, self.device, self.timeout,
+                self.capacity))  # fmt: skip
         if self.transport != "collective":
             try:
                 return await self._form_shared(placement)
@@ -143,12 +150,17 @@ class ExpertControl:
 
     async def _form_shared(self, placement: Placement) -> ExpertGroup:
         """Every member maps a mailbox this worker makes (same host), or none does."""
+        return await self._form_mapped(placement, "shared", lambda n: MailboxPort(
+            n, self.dtype, self.hidden, self.device, self.timeout))  # fmt: skip
+
+    async def _form_mapped(self, placement: Placement, backend: str, make) -> ExpertGroup:
+        """A group over buffers this worker makes (`make(members)`) and every member
+        maps in its Join, or none does."""
         members = placement.members
-        port = await asyncio.to_thread(MailboxPort, len(members), self.dtype, self.hidden,
-                                       self.device, self.timeout)  # fmt: skip
+        port = await asyncio.to_thread(make, len(members))
         group_id = uuid.uuid4().hex[:12]
         refused = await self._join_all(members, lambda rank: self._join_request(
-            rank, len(members) + 1, group_id=group_id, backend="shared",
+            rank, len(members) + 1, group_id=group_id, backend=backend,
             mailbox=port.description(rank)))  # fmt: skip
         if refused:
             port.close()  # the members that did map theirs see it closed and stop

@@ -85,7 +85,9 @@ class ExpertGroup:
 
     @property
     def transport(self) -> str:
-        return "shared" if self.pg is None else "collective"
+        if self.pg is not None:
+            return "collective"
+        return "stream" if getattr(self.port, "partial", False) else "shared"
 
     @property
     def member_ids(self) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ class Placement:
     model: str = ""
     log2phy: torch.Tensor = field(init=False, repr=False)  # [L, E, maxcnt], -1 padded
     logcnt: torch.Tensor = field(init=False, repr=False)  # [L, E]
+    unplaced: list[bool] = field(init=False, repr=False)  # per layer: an expert without a slot
 
     def __post_init__(self) -> None:
         layers, slots = self.phy2log.shape
@@ -55,6 +56,7 @@ class Placement:
                     seen[expert] += 1
         object.__setattr__(self, "log2phy", log2phy)
         object.__setattr__(self, "logcnt", logcnt)
+        object.__setattr__(self, "unplaced", (logcnt == 0).any(dim=1).tolist())
 
     @classmethod
     def empty(cls, num_layers: int, num_experts: int, model: str = "") -> Placement:
@@ -64,6 +66,10 @@ class Placement:
     @property
     def num_layers(self) -> int:
         return self.phy2log.shape[0]
+
+    def has_local(self, layer: int) -> bool:
+        """Whether some expert of MoE layer `layer` has no slot (its worker computes it)."""
+        return self.unplaced[layer]
 
     def slots_of(self, member: int) -> torch.Tensor:
         """[L, slots_per_member]: the experts member `member` holds (-1: none)."""

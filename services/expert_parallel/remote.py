@@ -49,6 +49,7 @@ class _Sent:
     local_pairs: torch.Tensor | None = None
     local_out: torch.Tensor | None = None
     out: torch.Tensor | None = None
+    partial: bool = False  # the stream path: `transfer` answers with the layer's sum
     issued: float = field(default_factory=time.monotonic)
 
 
@@ -68,6 +69,7 @@ class RemoteExperts(ExpertBackend):
         self._inflight: list[_Sent] = []
         self._turn = 0  # advances per dispatch: where each expert's replicas start
         self.record = StepRecord(worker_id, tracer)
+        self._pairs: torch.Tensor | None = None  # [remote, local] on the device, this step
 
     # -- the control loop's side ---------------------------------------------
     def install(self, group: ExpertGroup | None, placement: Placement) -> None:
@@ -92,12 +94,18 @@ class RemoteExperts(ExpertBackend):
             if old is not None and old is not self.group:
                 old.close(graceful=True)
             metrics.PLACEMENT_VERSION.labels(worker=self.worker_id).set(self.applied_version)
+        if self.group is not None and hasattr(self.group.port, "begin_step"):
+            self.group.port.begin_step()  # the stream path takes its slots in step order
         self.record.begin(self.applied_version)
 
     def end_step(self) -> None:
         for sent in self._inflight:  # a micro-batch that failed left these
             self._settle(sent)
         self._inflight.clear()
+        if self._pairs is not None:  # the stream path's pairs: read once a step
+            remote, local = self._pairs.tolist()
+            self.record.tokens(remote, local)
+            self._pairs.zero_()
         self.record.end()
 
     def dispatch(self, moe, hidden, topk_weights, topk_ids):
@@ -129,6 +137,9 @@ class RemoteExperts(ExpertBackend):
         self._turn += 1
         slots = placement.route(layer, flat, self._turn)
         member = torch.where(slots >= 0, slots // placement.slots_per_member, -1)
+        if getattr(group.port, "partial", False):
+            self._send_partial(sent, group, layer, member)
+            return
         remote = (member >= 0).nonzero().view(-1)
         if remote.numel() == 0:
             return
@@ -146,9 +157,30 @@ class RemoteExperts(ExpertBackend):
                                          sent.moe.w2, flat[local])  # fmt: skip
         self.record.tokens(remote.numel(), local.numel())
 
+    def _send_partial(self, sent: _Sent, group, layer: int, member: torch.Tensor) -> None:
+        """The stream path: every member gets every token and its own pairs' expert ids
+        (-1 for the others'), and answers with its part of the layer; the pairs no
+        member holds are this worker's part. No device value is read here."""
+        shape = sent.ids.shape
+        ranks = torch.arange(len(group.members), device=member.device)[:, None]
+        member_ids = torch.where(member[None, :] == ranks, sent.ids.reshape(1, -1), -1)
+        sent.transfer = group.port.send(layer, sent.hidden, sent.weights,
+                                        member_ids.view(len(group.members), *shape))  # fmt: skip
+        sent.partial = True
+        if self._pairs is None or self._pairs.device != member.device:
+            self._pairs = torch.zeros(2, dtype=torch.int64, device=member.device)
+        self._pairs[0] += (member >= 0).sum()  # in place, no host read: a graph may hold it
+        self._pairs[1] += (member < 0).sum()
+        if self.placement.has_local(layer):  # experts no member holds: computed here
+            mine = torch.where(member < 0, sent.ids.reshape(-1), -1).view(shape)
+            sent.local_out = ops.fused_moe(sent.hidden, sent.moe.w13, sent.moe.w2,
+                                           sent.weights, mine.contiguous())  # fmt: skip
+
     def _settle(self, sent: _Sent) -> torch.Tensor:
         if sent.out is not None:
             return sent.out
+        if sent.partial:
+            return self._settle_partial(sent)
         called = time.monotonic()
         ready = sent.transfer.done()
         try:
@@ -167,6 +199,21 @@ class RemoteExperts(ExpertBackend):
         if sent.local_pairs is not None:
             pair_out[sent.local_pairs] = sent.local_out
         sent.out = moe_sum(pair_out.view(tokens, top_k, -1), sent.weights)
+        return sent.out
+
+    def _settle_partial(self, sent: _Sent) -> torch.Tensor:
+        called = time.monotonic()
+        ready = sent.transfer.done()
+        try:
+            out = sent.transfer.wait()
+        except Exception as exc:
+            self._fail(f"combine: {exc}")
+            sent.out = ops.fused_moe(sent.hidden, sent.moe.w13, sent.moe.w2, sent.weights,
+                                     sent.ids)  # fmt: skip
+            return sent.out
+        finished = time.monotonic()
+        self.record.combined(finished - called, finished - sent.issued, ready)
+        sent.out = out if sent.local_out is None else out.add_(sent.local_out)
         return sent.out
 
     def _fail(self, why: str) -> None:

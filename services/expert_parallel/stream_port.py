@@ -69,8 +69,17 @@ def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> tor
 
 
 class _Dispatch:
-    def __init__(self, slot: int, rows: int):
-        self.slot, self.rows = slot, rows
+    """One dispatch in flight: `wait()` gives the members' parts added up."""
+
+    def __init__(self, port: StreamPort, slot: int, rows: int):
+        self.port, self.slot, self.rows = port, slot, rows
+
+    def done(self) -> bool:
+        """Every member has answered (known on the CPU only: a GPU's stream waits)."""
+        return self.port.answered(self)
+
+    def wait(self) -> torch.Tensor:
+        return self.port.combine(self)
 
 
 class StreamPort:
@@ -161,7 +170,7 @@ class StreamPort:
         self.ids[:, slot, :rows].copy_(member_ids, non_blocking=True)
         for m in range(self.members):
             self.flags.write(flag_index(m, slot, self.slots)[0], (layer + 1) << 32 | rows)
-        return _Dispatch(slot, rows)
+        return _Dispatch(self, slot, rows)
 
     def combine(self, dispatch: _Dispatch) -> torch.Tensor:
         """The members' partial sums added up, [T, H]."""
@@ -176,6 +185,12 @@ class StreamPort:
         finally:
             self._busy[slot] = False
         return self.out[:, slot, :rows].sum(dim=0)
+
+    def answered(self, dispatch: _Dispatch) -> bool:
+        if self.device.type == "cuda":
+            return False
+        return all(self.flags.host[flag_index(m, dispatch.slot, self.slots)[1]] == 1
+                   for m in range(self.members))  # fmt: skip
 
     def _alive(self, member: int) -> None:
         host = self.flags.host

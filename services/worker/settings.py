@@ -86,8 +86,10 @@ class WorkerSettings(TlsSettings):
         "auto",
         "how activations reach the expert services: shared (buffers in host shared memory, "
         "CUDA IPC on the GPU: services on this host only), collective (gloo/NCCL "
-        "all-to-alls), or auto (shared where every service of the group can map them, "
-        "else collective)",
+        "all-to-alls), auto (shared where every service of the group can map them, "
+        "else collective), or stream (every service gets every token and answers with its "
+        "part, handed over in stream order with no host in the loop; this host only, and on "
+        "a GPU a service that dies mid-step stalls the worker: never chosen by auto)",
         choices=TRANSPORTS,
     )
     engine_options: dict = not_a_flag(dict)

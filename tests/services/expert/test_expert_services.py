@@ -74,6 +74,17 @@ def test_tokens_equal_the_single_process_engine_with_ping_pong_off_and_on(cluste
     assert hidden_seconds(split_stats) > 3 * hidden_seconds(whole_stats)
 
 
+def test_tokens_over_the_stream_path_equal_the_single_process_engine(cluster, tiny_moe):
+    """Every service gets every token and answers with its part of the layer (the
+    stream-ordered path), one dispatch in flight or two (micro-batches)."""
+    model, expected = tiny_moe
+    for options in ({}, PING_PONG):
+        got, stats = generate_remote(cluster, model, transport="stream", **options)
+        assert got == expected
+        assert stats["transport"] == "stream" and stats["fallbacks"] == 0
+        assert stats["remote_pairs"] > 0 and stats["local_pairs"] == 0
+
+
 def test_auto_takes_gloo_where_a_service_cannot_map_the_mailbox(cluster, tiny_moe, monkeypatch):
     """Each service refuses a mailbox it cannot open (FAILED_PRECONDITION, as one on
     another host would): the worker forms the collective group instead."""

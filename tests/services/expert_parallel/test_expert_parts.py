@@ -257,3 +257,32 @@ def test_an_expert_store_warms_every_shape_it_will_serve(model_dir, monkeypatch)
                         or real(x, w13, w2, ids))  # fmt: skip
     store.warm({2, 3, 9}, most_rows=8)  # 9: more than any layer holds, skipped
     assert seen == [(n, k) for k in (2, 3) for n in (1, 2, 4, 8)]
+
+
+def test_expert_services_parts_of_a_layer_sum_to_the_layer(model_dir):
+    """The stream path's replies: each service's weighted sum over the pairs it holds
+    (-1: another's); two services' parts add up to the engine's whole layer."""
+    from basis.model_config import ModelConfig
+    from engine import LLM
+    from services.expert.expert_store import ExpertStore
+    from services.expert.expert_weights import ExpertWeights
+
+    folder = model_dir("tiny-moe")
+    config = ModelConfig.from_pretrained(folder)
+    experts = config.num_experts
+    halves = [list(range(0, experts, 2)), list(range(1, experts, 2))]
+    stores = []
+    for held in halves:
+        store = ExpertStore(ExpertWeights(folder, config), torch.float32, torch.device("cpu"))
+        store.load(1, [held] * store.num_layers)
+        stores.append(store)
+    moe = [layer.mlp for layer in LLM(folder, device="cpu").engine.runner.model.layers
+           if hasattr(layer.mlp, "w13")][0]  # fmt: skip
+    rows = torch.randn(7, config.hidden_size)
+    weights, ids = reference.moe_route(torch.randn(7, experts), 2, True)
+    parts = [store.compute_partial(0, rows, weights, torch.where(ids % 2 == i, ids, -1))
+             for i, store in enumerate(stores)]  # fmt: skip
+    whole = reference.fused_moe(rows, moe.w13, moe.w2, weights, ids)
+    torch.testing.assert_close(parts[0] + parts[1], whole)
+    with pytest.raises(LookupError, match="not held here"):  # routed here, held by the other
+        stores[0].compute_partial(0, rows, weights, ids)
