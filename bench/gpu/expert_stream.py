@@ -3,11 +3,13 @@ GPU: a worker's MoE layers in a CUDA graph handing their tokens to expert
 services in other processes, against the same layers computed in the worker.
 
 deepseek-v2-lite's MoE shapes (hidden 2048, expert width 1408, 64 experts, top-6,
-26 MoE layers, random bf16 weights); the members hold 64 / M experts each. Per
-batch T: `colocated_us`, the worker's graph of the 26 fused MoE layers;
+26 MoE layers, random bf16 weights); the members hold 64 / M experts each. Each
+layer's output is added to its input (a residual stream: s76's run chained the
+outputs alone, whose values shrank toward zero, so its `max_rel_diff` of 0 said
+nothing). Per batch T: `colocated_us`, the worker's graph of the 26 layers;
 `stream_us`, its graph of 26 hand-offs (send, the members' partial sums, their
-sum) with the members computing eagerly; `stream_graphs_us`, the same with each
-member replaying a graph per (layer, slot, T) (captured on its second sight);
+sum); four_members_graphs: each member replays a graph per (layer, slot, T)
+(captured on its second sight), four_members_eager: the members compute eagerly;
 one_member_graphs: a single member holding all 64 experts, so what the stream
 path adds to the same compute is its hand-offs alone.
 Every process is a client of an MPS daemon this run starts (as `yinian up`
@@ -117,16 +119,18 @@ _WORKER = _COMMON + textwrap.dedent("""
         x, weights, ids = inputs(t, t)
         split = torch.where(owner[ids.long()] == torch.arange(members, device=dev)[:, None, None],
                             ids, -1)
+        # each layer's input is the last one's plus its output (a residual stream), so the
+        # values keep their size through the 26 layers and the comparison means something
         def colocated():
             h = x
             for l in range(L):
-                h = ops.fused_moe(h, *everything[l], weights, ids)
+                h = h + ops.fused_moe(h, *everything[l], weights, ids)
             return h
         def stream():
             port.begin_step()
             h = x
             for l in range(L):
-                h = port.combine(port.send(l, h, weights, split))
+                h = h + port.combine(port.send(l, h, weights, split))
             return h
         row = {"tokens": t}
         for name, fn in (("colocated", colocated), ("stream", stream)):
