@@ -35,6 +35,7 @@ class Placement:
     log2phy: torch.Tensor = field(init=False, repr=False)  # [L, E, maxcnt], -1 padded
     logcnt: torch.Tensor = field(init=False, repr=False)  # [L, E]
     unplaced: list[bool] = field(init=False, repr=False)  # per layer: an expert without a slot
+    _on_device: dict = field(init=False, repr=False, compare=False)  # device -> tables
 
     def __post_init__(self) -> None:
         layers, slots = self.phy2log.shape
@@ -57,6 +58,7 @@ class Placement:
         object.__setattr__(self, "log2phy", log2phy)
         object.__setattr__(self, "logcnt", logcnt)
         object.__setattr__(self, "unplaced", (logcnt == 0).any(dim=1).tolist())
+        object.__setattr__(self, "_on_device", {})
 
     @classmethod
     def empty(cls, num_layers: int, num_experts: int, model: str = "") -> Placement:
@@ -66,6 +68,14 @@ class Placement:
     @property
     def num_layers(self) -> int:
         return self.phy2log.shape[0]
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logcnt, log2phy) on `device`, copied there once: a copy from pageable host
+        memory each dispatch would be a host sync per MoE layer on a GPU."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (self.logcnt.to(device), self.log2phy.to(device))
+        return self._on_device[key]
 
     def has_local(self, layer: int) -> bool:
         """Whether some expert of MoE layer `layer` has no slot (its worker computes it)."""
@@ -86,15 +96,16 @@ class Placement:
         at `turn` (the caller advances it per dispatch, so that even one pair per
         dispatch spreads). Not by flat position, as vLLM does: with an even top-k
         a hot expert, usually at the same k, would land on one replica."""
+        logcnt, log2phy = self.tables(expert_ids.device)
         device = expert_ids.device
-        counts = self.logcnt[layer].to(device)[expert_ids]
+        counts = logcnt[layer][expert_ids]
         order = torch.argsort(expert_ids, stable=True)
         ordered = expert_ids[order]
         # each pair's place among its expert's pairs
         nth = torch.empty_like(order)
         nth[order] = torch.arange(len(order), device=device) - torch.searchsorted(ordered, ordered)
         replica = (nth + turn) % counts.clamp(min=1)
-        slots = self.log2phy[layer].to(device)[expert_ids, replica]
+        slots = log2phy[layer][expert_ids, replica]
         return torch.where(counts > 0, slots, -1)
 
     def without(self, lost: set[str], keep_replicas: bool) -> Placement:

@@ -78,8 +78,30 @@ EXPECTED = {
         "no_host": "ok",
     },  # fmt: skip
     "prompt_rows": {"ceilings": "ok", "grid": "ok"},
-    "experts": {"eplb_replay": "ok", "live_skew": "ok", "throughput": CUDA_ONLY},
-    "expert_mailbox": {"round_trip": "ok", "round_trip_no_spin": "ok"},
+    "experts": {
+        "eplb_replay": "ok",
+        "live_skew": "ok",
+        "throughput": CUDA_ONLY,
+        "throughput_2": CUDA_ONLY,
+        "colocated_eager": CUDA_ONLY,
+    },
+    "expert_mailbox": {
+        "round_trip": "ok",
+        "round_trip_no_spin": "ok",
+        "round_trip_mps": CUDA_ONLY,
+        "member_compute": "ok",
+    },
+    "process_hop": {
+        "in_process": CUDA_ONLY,
+        "cross_process": CUDA_ONLY,
+        "cross_process_mps": CUDA_ONLY,
+    },
+    "memops_probe": {"in_graph": CUDA_ONLY, "eager": CUDA_ONLY, "in_graph_mps": CUDA_ONLY},
+    "expert_stream": {
+        "four_members_graphs": CUDA_ONLY,
+        "four_members_eager": CUDA_ONLY,
+        "one_member_graphs": CUDA_ONLY,
+    },
     "mla": {
         "ceilings": "ok",
         "decode_kernel": "ok",

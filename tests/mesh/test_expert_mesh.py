@@ -18,7 +18,7 @@ from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import metric_sum
 
 pytestmark = pytest.mark.timeout(300)
-MAX_TOKENS = 24
+MAX_TOKENS = 64  # streams long enough that a rebalance lands while they run (24 raced it)
 STREAMS = 32
 
 
