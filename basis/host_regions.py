@@ -50,10 +50,17 @@ def remove_stale(folder: Path, prefix: str) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs: an exited one its parent has not reaped yet (a
+    zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # after "(comm)", which may hold ")"
+    except (OSError, IndexError):
+        return True
+    return state != b"Z"

@@ -70,6 +70,7 @@ class RemoteExperts(ExpertBackend):
         self._turn = 0  # advances per dispatch: where each expert's replicas start
         self.record = StepRecord(worker_id, tracer)
         self._pairs: torch.Tensor | None = None  # [remote, local] on the device, this step
+        self._moes: dict[int, object] = {}  # MoE layer index -> its module (the stream path)
 
     # -- the control loop's side ---------------------------------------------
     def install(self, group: ExpertGroup | None, placement: Placement) -> None:
@@ -91,6 +92,8 @@ class RemoteExperts(ExpertBackend):
             old = self.group
             self.group, self.placement = pending
             self.broken = False
+            if self.group is not None and hasattr(self.group.port, "guard"):
+                self.group.port.guard(self._stand_in, self._member_lost)
             if old is not None and old is not self.group:
                 old.close(graceful=True)
             metrics.PLACEMENT_VERSION.labels(worker=self.worker_id).set(self.applied_version)
@@ -167,6 +170,7 @@ class RemoteExperts(ExpertBackend):
         sent.transfer = group.port.send(layer, sent.hidden, sent.weights,
                                         member_ids.view(len(group.members), *shape))  # fmt: skip
         sent.partial = True
+        self._moes[layer] = sent.moe  # what a stand-in for a lost member computes with
         if self._pairs is None or self._pairs.device != member.device:
             self._pairs = torch.zeros(2, dtype=torch.int64, device=member.device)
         self._pairs[0] += (member >= 0).sum()  # in place, no host read: a graph may hold it
@@ -215,6 +219,25 @@ class RemoteExperts(ExpertBackend):
         self.record.combined(finished - called, finished - sent.issued, ready)
         sent.out = out if sent.local_out is None else out.add_(sent.local_out)
         return sent.out
+
+    def _stand_in(self, layer: int, tokens, weights, ids) -> torch.Tensor:
+        """A lost stream member's part of a dispatch, from this worker's experts (the
+        stand-in's thread, services/expert_parallel/stream_stand_in.py)."""
+        moe = self._moes[layer]
+        return ops.fused_moe(tokens, moe.w13, moe.w2, weights, ids.contiguous())
+
+    def _member_lost(self, member: int) -> None:
+        """A stream member died (the watchdog's or the engine thread): its stand-in
+        answers what is in flight; the next dispatches are computed here until the
+        control loop forms a new group, which replaces this one at a step boundary
+        (closing it mid-step would leave the stream's waits unanswered)."""
+        metrics.FALLBACKS.labels(worker=self.worker_id).inc()
+        self.record.fell_back()
+        if not self.broken:
+            self.broken = True
+            logger.warning("expert service %d stopped answering; computing experts locally "
+                           "until a new group is formed", member + 1)  # fmt: skip
+            self.on_failure()
 
     def _fail(self, why: str) -> None:
         metrics.FALLBACKS.labels(worker=self.worker_id).inc()

@@ -77,6 +77,7 @@ class StreamMember:
         self.worker_pid = desc["worker_pid"] if same_pids else None
         self.flags.host[self.control["pid"] + self.member] = os.getpid() if same_pids else 0
         self._sent = [flag_index(self.member, s, self.slots)[0] for s in range(self.slots)]
+        self._taken = [flag_index(self.member, s, self.slots)[2] for s in range(self.slots)]
         self._slot = self._rows = None
         self._turn = 0
 
@@ -92,6 +93,7 @@ class StreamMember:
         del value
         slot = self._slot_seen
         sent = host[self._sent[slot]]
+        host[self._taken[slot]] = sent  # until the worker has our answer (for a stand-in)
         host[self._sent[slot]] = 0  # seen: the worker writes it again only after our reply
         layer, rows = (sent >> 32) - 1, sent & 0xFFFFFFFF
         self._slot, self._rows = slot, rows

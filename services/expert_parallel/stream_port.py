@@ -17,17 +17,21 @@ member's host sees it, resets it, queues its compute and has its stream write
 REPLIED = 1 once the partial is in place; the worker's stream waits for
 REPLIED == 1 and resets it. `slots` dispatches may be in flight (micro-batches).
 
-Faults (on the CPU, where the worker's wait is a host poll): a member found dead
-(its pid), gone (its loop ended) or silent past `timeout` fails the wait with
-MailboxError, as the mailbox path does. On a GPU the wait is the stream's, so
-a member's death stalls the worker's stream: not handled yet (the transport is
-chosen only by name, never by `auto`).
+Faults: once the worker `guard`s the port, a member found dead (its pid) or gone
+(its loop ended) is answered for by the worker itself, from its own copy of the
+experts (services/expert_parallel/stream_stand_in.py), so the waits in flight
+end with the right sum, on a GPU (whose waits are the stream's) as on the CPU;
+unguarded, the CPU's wait fails with MailboxError. A member alive but silent
+fails the CPU's wait after `timeout`; on a GPU it stalls the worker (not handled
+yet: the transport is chosen only by name, never by `auto`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import threading
 import uuid
 import weakref
 from pathlib import Path
@@ -37,26 +41,30 @@ import torch
 from basis.host_regions import pid_alive, remove_stale, shm_dir
 from services.expert_parallel.mailbox import MailboxError
 from services.expert_parallel.stream_flags import FlagError, StreamFlags
+from services.expert_parallel.stream_stand_in import StandIn, Watchdog
 from services.kv_transport.cuda_ipc import describe, pid_namespace
 
+logger = logging.getLogger(__name__)
 PREFIX = "yinian-stream-"
 SLOTS = 2
 
 
-def flag_index(member: int, slot: int, slots: int) -> tuple[int, int]:
-    """(SENT, REPLIED) of a member's slot."""
-    base = 2 * (member * slots + slot)
-    return base, base + 1
+def flag_index(member: int, slot: int, slots: int) -> tuple[int, int, int]:
+    """(SENT, REPLIED, TAKEN) of a member's slot: SENT set by the worker's stream and
+    reset by the member when it takes the dispatch (TAKEN keeps its value until the
+    worker has the answer: what a stand-in serves again if the member died)."""
+    base = 3 * (member * slots + slot)
+    return base, base + 1, base + 2
 
 
 def control_index(members: int, slots: int) -> dict[str, int]:
     """CLOSED, then each member's GONE and PID."""
-    base = 2 * members * slots
+    base = 3 * members * slots
     return {"closed": base, "gone": base + 1, "pid": base + 1 + members}
 
 
 def flag_count(members: int, slots: int) -> int:
-    return 2 * members * slots + 1 + 2 * members
+    return 3 * members * slots + 1 + 2 * members
 
 
 def shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -96,6 +104,9 @@ class StreamPort:
         self.device, self.timeout, self.capacity, self.slots = device, timeout, capacity, slots
         self.control = control_index(members, slots)
         self.closed = False
+        self.stand_ins: dict[int, StandIn] = {}  # lost members the worker answers for
+        self._compute = self._lost = None
+        self._guard = threading.Lock()
         self._busy = [False] * slots
         self._next = 0
         folder = shm_dir()
@@ -177,30 +188,67 @@ class StreamPort:
         slot, rows = dispatch.slot, dispatch.rows
         try:
             for m in range(self.members):
-                replied = flag_index(m, slot, self.slots)[1]
+                _, replied, taken = self.index(m, slot)
                 self.flags.wait(replied, 1, lambda m=m: self._alive(m), self.timeout)
-                self.flags.write(replied, 0)
+                self.flags.write(taken, 0)  # before REPLIED: a stand-in never sees it taken
+                self.flags.write(replied, 0)  # and unanswered once it was answered
         except FlagError as exc:
             raise MailboxError(str(exc)) from exc
         finally:
             self._busy[slot] = False
         return self.out[:, slot, :rows].sum(dim=0)
 
+    def index(self, member: int, slot: int) -> tuple[int, int, int]:
+        return flag_index(member, slot, self.slots)
+
     def answered(self, dispatch: _Dispatch) -> bool:
         if self.device.type == "cuda":
             return False
-        return all(self.flags.host[flag_index(m, dispatch.slot, self.slots)[1]] == 1
+        return all(self.flags.host[self.index(m, dispatch.slot)[1]] == 1
                    for m in range(self.members))  # fmt: skip
+
+    # -- a member lost mid-step (services/expert_parallel/stream_stand_in.py) ----------
+    def guard(self, compute, lost) -> None:
+        """From now on a member found dead is answered for with `compute(layer,
+        tokens, weights, ids)` (the worker's own experts), and `lost(member)` called
+        once; a watchdog thread looks for dead members (a GPU's waits are the
+        stream's: nothing else would see one)."""
+        with self._guard:
+            first = self._compute is None
+            self._compute, self._lost = compute, lost
+        if first:
+            Watchdog(self).start()
+
+    def dead(self, member: int) -> bool:
+        host = self.flags.host
+        pid = host[self.control["pid"] + member]
+        return bool(host[self.control["gone"] + member]) or bool(pid and not pid_alive(pid))
+
+    def lose(self, member: int) -> None:
+        """Starts answering for `member` (once)."""
+        with self._guard:
+            if member in self.stand_ins or self._compute is None or self.closed:
+                return
+            stand_in = self.stand_ins[member] = StandIn(self, member, self._compute)
+            lost = self._lost
+        logger.warning("expert service %d of this stream group is gone: the worker answers "
+                       "for it until a new group is formed", member + 1)  # fmt: skip
+        stand_in.start()
+        lost(member)
 
     def _alive(self, member: int) -> None:
         host = self.flags.host
         if self.closed or host[self.control["closed"]]:
             raise FlagError("the expert stream was closed")
+        if member in self.stand_ins or not self.dead(member):
+            return
+        if self._compute is not None:
+            self.lose(member)
+            return
         if host[self.control["gone"] + member]:
             raise FlagError(f"expert service {member + 1} stopped serving this group")
         pid = host[self.control["pid"] + member]
-        if pid and not pid_alive(pid):
-            raise FlagError(f"expert service {member + 1} (pid {pid}) is gone")
+        raise FlagError(f"expert service {member + 1} (pid {pid}) is gone")
 
     def leave(self) -> None:
         self.close()

@@ -40,6 +40,9 @@ _MEMBER = textwrap.dedent("""
     member = StreamMember(open(sys.argv[1], "rb").read(), torch.device("cpu"))
     print("open", flush=True)
     while (got := member.receive()) is not None:
+        if len(sys.argv) > 3:  # takes a dispatch and dies before answering
+            import os
+            os._exit(0)
         layer, tokens, weights, ids = got
         mine = torch.where(ids >= 0, local[ids.clamp(min=0).long()], -1)
         member.reply(reference.fused_moe(tokens, w13[held], w2[held], weights, mine) * (layer + 1))
@@ -47,13 +50,15 @@ _MEMBER = textwrap.dedent("""
 """)
 
 
-def _members(port: StreamPort, tmp_path, ranks=(1, 2)) -> list[subprocess.Popen]:
+def _members(port: StreamPort, tmp_path, ranks=(1, 2), dies: int = 0) -> list[subprocess.Popen]:
+    """Member processes; `dies`: the rank that takes its first dispatch and exits."""
     procs = []
     for rank in ranks:
         desc = tmp_path / f"member{rank}"
         desc.write_bytes(port.description(rank))
         held = ",".join(map(str, HELD[rank - 1]))
-        proc = subprocess.Popen([sys.executable, "-c", _MEMBER, str(desc), held],
+        extra = ["die"] if rank == dies else []
+        proc = subprocess.Popen([sys.executable, "-c", _MEMBER, str(desc), held, *extra],
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert proc.stdout.readline().strip() == "open"
         procs.append(proc)
@@ -133,3 +138,77 @@ def test_a_description_for_the_gpu_is_refused_on_the_cpu(tmp_path):
             StreamMember(pickle.dumps({"version": 1, "kind": "mailbox"}), CPU)
     finally:
         port.close()
+
+
+@pytest.mark.parametrize("how", ["killed", "took_then_died"])
+def test_the_worker_answers_for_a_member_lost_mid_step(tmp_path, how):
+    """Guarded, a lost member's part comes from the worker's own experts: the dispatch
+    in flight (sent before the death was seen, or taken by the member, which died
+    before answering) and the ones after it end with the whole layer's sum."""
+    w13, w2 = moe_weights()
+    port = StreamPort(2, torch.float32, H, TOP_K, CPU, timeout=30.0, capacity=16)
+    procs = _members(port, tmp_path, dies=2 if how == "took_then_died" else 0)
+    lost = []
+
+    def compute(layer, tokens, weights, ids):  # what the worker's RemoteExperts does
+        return reference.fused_moe(tokens, w13, w2, weights, ids.long()) * (layer + 1)
+
+    port.guard(compute, lost.append)
+    try:
+        if how == "killed":
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].wait(10)
+        for layer in range(3):
+            x = torch.randn(5, H)
+            weights, ids = reference.moe_route(torch.randn(5, E), TOP_K, True)
+            want = reference.fused_moe(x, w13, w2, weights, ids) * (layer + 1)
+            started = time.monotonic()
+            torch.testing.assert_close(port.combine(port.send(layer, x, weights, _split(ids))),
+                                       want)  # fmt: skip
+            assert time.monotonic() - started < 2
+        assert lost == [1] and port.stand_ins[1].answered == 3
+    finally:
+        _stop(port, procs[:1])
+        for proc in procs:
+            proc.kill()
+
+
+def test_remote_experts_over_the_stream_path_survive_a_member_lost_mid_step(tmp_path):
+    """The worker's backend: dispatches over two member processes add up to the fused
+    MoE; one member dies between the dispatch and its combine: the stand-in answers
+    for it, the worker asks for a new group once, and computes here meanwhile."""
+    from expert_layer import MoeStub
+
+    from services.expert_parallel.group import ExpertGroup
+    from services.expert_parallel.placement import Member, Placement
+    from services.expert_parallel.remote import RemoteExperts
+
+    w13, w2 = moe_weights()
+    port = StreamPort(2, torch.float32, H, TOP_K, CPU, timeout=30.0, capacity=16)
+    procs = _members(port, tmp_path)
+    members = tuple(Member(f"e{i}", f"127.0.0.1:{1000 + i}") for i in range(2))
+    group = ExpertGroup.shared(members, port)
+    assert group.transport == "stream"
+    placement = Placement(1, members, 3, torch.tensor([HELD[0] + HELD[1]]), E)
+    failures = []
+    experts = RemoteExperts("w", [0], lambda: failures.append(1))
+    experts.install(group, placement)
+    moe = MoeStub(w13, w2)
+    try:
+        for step in range(3):
+            experts.begin_step()
+            x = torch.randn(6, H)
+            weights, ids = reference.moe_route(torch.randn(6, E), TOP_K, True)
+            sent = experts.dispatch(moe, x, weights, ids)
+            if step == 1:  # dies with the dispatch in flight
+                os.kill(procs[1].pid, signal.SIGKILL)
+                procs[1].wait(10)
+            got = experts.combine(sent)
+            torch.testing.assert_close(got, reference.fused_moe(x, w13, w2, weights, ids))
+            experts.end_step()
+        assert failures == [1] and experts.broken
+        assert experts.record.snapshot()["fallbacks"] >= 1
+    finally:
+        _stop(port, procs[:1])
+        for proc in procs:
+            proc.kill()
