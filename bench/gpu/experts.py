@@ -14,7 +14,10 @@ throughput with the experts in separate processes against colocated.
 - throughput, throughput_2 (CUDA): output tokens/s at 64 streams and at one of
   qwen3-30b-a3b (deepseek-v2-lite on a card under 120 GiB; dummy weights) with the
   experts colocated and on 4 (2) expert services, each mesh's start-up, and how
-  many greedy texts agree.
+  many greedy texts of 16 streams agree (where one leaves the other: the token,
+  whether it took the colocated run's runner-up, and the logprob gap).
+- throughput_stream (CUDA): `throughput` over the stream-ordered path
+  (`--expert-transport stream`) instead of the mailboxes.
 - colocated_eager (CUDA): the colocated worker with --enforce-eager (a worker on
   expert services runs its steps eagerly: its dispatches are not graph-safe).
 
@@ -29,7 +32,7 @@ import time
 
 import torch
 
-from bench.gpu.pd_kill import run_streams
+from bench.gpu.pd_kill import compare, run_streams
 from bench.gpu.sections import Sections, script_parser
 from engine.make_model import preset_config, write_model
 from proto.yinian.v1 import expert_pb2, expert_pb2_grpc
@@ -43,6 +46,7 @@ DRY_SHAPES = [("small", 4, 32, 4)]
 SKEW = 1.2  # Zipf exponent: the hottest expert of a layer gets ~rank^-1.2 of the load
 # Both meshes' workers: batches of the streams run, no more (fewer shapes to warm up).
 LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
+AGREE = 16  # streams whose greedy texts (with logprobs) are compared across the meshes
 REPORTS = 0.5  # s between the services' load reports (0.1 in a dry run)
 
 
@@ -196,7 +200,8 @@ def _preset_for(device: str, preset: str | None) -> str:
 
 
 def throughput(streams: int, tokens: int, experts: int, preset: str | None = None,
-               device: str = "cuda", eager: bool = False) -> dict:  # fmt: skip
+               device: str = "cuda", eager: bool = False,
+               transport: str = "auto") -> dict:  # fmt: skip
     """Colocated vs expert services (the worker's default transport: mailboxes over
     CUDA IPC on one GPU): output tokens/s at `streams` streams and at one, each
     mesh's start-up, and whether the greedy texts agree. On the CPU (a tiny preset)
@@ -213,7 +218,8 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
     routed = ModelConfig.from_pretrained(str(folder)).num_experts
     prompts = [[(31 * i + j) % 1000 for j in range(128)] for i in range(streams)]
     dtype = ["--dtype", "bfloat16"] if device == "cuda" else []
-    out: dict = {"preset": preset, "streams": streams, "tokens": tokens, "services": experts}
+    out: dict = {"preset": preset, "streams": streams, "tokens": tokens, "services": experts,
+                 "transport": transport}  # fmt: skip
     # Each service holds its share of a layer's experts and 12.5 % spare slots (the
     # balancer's redundant replicas), not all of them. The worker keeps every expert
     # too (it computes a failed dispatch), so beside the services it leaves them half.
@@ -230,6 +236,7 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
             expert_argv=["--device", device, "--load-format", "dummy", *dtype,
                          "--slots", str(slots)],
             scheduler_argv=["--expert-redundant-slots", str(max(0, slots * experts - routed))],
+            worker_argv=["--expert-transport", transport],
         )  # fmt: skip
         began = time.monotonic()
         mesh = Mesh(spec).start(timeout=1800)
@@ -247,8 +254,10 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
                 done = sum(r["error"] is None for r in results)
                 row[f"{label}_output_tok_s"] = done * tokens / elapsed
                 row[f"{label}_failed"] = len(results) - done
-                if label == "batch":
-                    texts[name] = [r["text"] for r in results]
+            # greedy agreement, with the top-2 logprobs: where a text leaves the colocated
+            # one, whether the other took the runner-up and by what margin (a near-tie)
+            texts[name], _, _ = run_streams(mesh, folder.name, prompts[:AGREE], tokens,
+                                            logprobs=2)  # fmt: skip
             if count:
                 after = _worker_counters(mesh)  # the measured runs' pairs, remote and local
                 row["counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()
@@ -258,9 +267,11 @@ def throughput(streams: int, tokens: int, experts: int, preset: str | None = Non
         out[name] = row
         print(f"{name}: {row}", flush=True)
     if len(texts) == 2:
-        pairs = list(zip(texts["colocated"], texts["expert_services"]))
-        out["equal_texts"] = sum(a == b for a, b in pairs)
-        out["compared"] = len(pairs)
+        rows = [compare(c, s) for c, s in zip(texts["colocated"], texts["expert_services"])]
+        out["agreement"] = rows
+        out["equal_texts"] = sum(r["equal"] for r in rows)
+        out["compared"] = len(rows)
+        out["left_at_a_near_tie"] = sum(r.get("runner_up", False) for r in rows)
     for label in ("batch", "single") if experts else ():
         key = f"{label}_output_tok_s"
         out[f"{label}_ratio"] = out["expert_services"][key] / out["colocated"][key]
@@ -283,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                0.1 if dry else REPORTS))  # fmt: skip
         section("throughput", lambda: throughput(64, 128, 4), needs="CUDA")
         section("throughput_2", lambda: throughput(64, 128, 2), needs="CUDA")
+        section("throughput_stream", lambda: throughput(64, 128, 4, transport="stream"),
+                needs="CUDA")  # fmt: skip
         # the colocated worker without CUDA graphs (as a worker on expert services runs)
         section("colocated_eager", lambda: throughput(64, 128, 0, eager=True), needs="CUDA")
         for name, row in (section.results.get("eplb_replay") or {}).items():

@@ -83,6 +83,7 @@ EXPECTED = {
         "live_skew": "ok",
         "throughput": CUDA_ONLY,
         "throughput_2": CUDA_ONLY,
+        "throughput_stream": CUDA_ONLY,
         "colocated_eager": CUDA_ONLY,
     },
     "expert_mailbox": {
