@@ -41,6 +41,7 @@ class ExpertStore:
         self._lock = threading.Lock()  # loads and frees, one at a time
         self._layers = [self._stack(layer, {}) for layer in range(weights.num_moe_layers)]
         self.held_version = 0
+        self.generation = 0  # changes with any layer's stack (what a captured graph reads)
         self.collecting = False
         self._counts = torch.zeros(weights.num_moe_layers, self.num_experts, dtype=torch.int64)
 
@@ -67,6 +68,7 @@ class ExpertStore:
                 for e in new:
                     tensors[e] = self.weights.read(layer, e, self.dtype, self.device)
                 self._layers[layer] = self._stack(layer, tensors)
+                self.generation += 1
                 loaded += len(new)
             self.held_version = max(self.held_version, version)
             if loaded and self.device.type == "cuda":  # the CPU tunes nothing
@@ -86,6 +88,7 @@ class ExpertStore:
                 if len(kept) != len(current.experts):
                     freed += len(current.experts) - len(kept)
                     self._layers[layer] = self._stack(layer, kept)
+                    self.generation += 1
         return freed
 
     def compute(self, layer: int, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

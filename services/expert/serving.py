@@ -14,6 +14,7 @@ import torch
 
 from services.common.errors import FailedPrecondition
 from services.expert.expert_store import ExpertStore
+from services.expert.partial_graphs import PartialGraphs
 from services.expert_parallel import metrics
 from services.expert_parallel.mailbox import MailboxError
 from services.expert_parallel.mailbox_member import MemberMailbox
@@ -113,6 +114,7 @@ class GroupServer:
         labels = {"expert_id": self.expert_id}
         logger.info("serving group %s as rank %d of %d", request.group_id, request.rank,
                     request.world_size)  # fmt: skip
+        graphs = PartialGraphs(self.store, port) if isinstance(port, StreamMember) else None
         try:
             while True:
                 received = port.receive()
@@ -120,13 +122,12 @@ class GroupServer:
                     break
                 started = time.monotonic()
                 with torch.inference_mode():
-                    if isinstance(port, StreamMember):  # every token: this service's part
+                    if graphs is not None:  # every token: this service's part, replied
                         layer, rows, weights, ids = received
-                        out = self.store.compute_partial(layer, rows, weights, ids)
+                        graphs.answer(layer, rows, weights, ids)
                     else:
                         layer, rows, ids = received
-                        out = self.store.compute(layer, rows, ids)
-                port.reply(out)
+                        port.reply(self.store.compute(layer, rows, ids))
                 metrics.SERVICE_TOKENS.labels(**labels).inc(rows.shape[0])
                 metrics.SERVICE_COMPUTE_SECONDS.labels(**labels).observe(time.monotonic() - started)
             logger.info("group %s: the worker left", request.group_id)

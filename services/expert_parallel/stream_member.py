@@ -115,13 +115,24 @@ class StreamMember:
         if self.worker_pid is not None and not pid_alive(self.worker_pid):
             raise _Stopped
 
-    def reply(self, partial: torch.Tensor) -> None:
-        """This member's partial sum of the last received dispatch, [T, H]."""
+    @property
+    def slot(self) -> int | None:
+        """The slot of the dispatch received and not answered yet."""
+        return self._slot
+
+    def reply(self, partial: torch.Tensor, keep: bool = False) -> None:
+        """This member's partial sum of the last received dispatch, [T, H]. `keep`:
+        the reply is being captured in a CUDA graph (it happens at `replied()`)."""
         slot = self._slot
         if slot is None or partial.shape[0] != self._rows:
             raise MailboxError(f"{partial.shape[0]} outputs for {self._rows} tokens")
         self.out[slot, : self._rows].copy_(partial, non_blocking=True)
         self.flags.write(flag_index(self.member, slot, self.slots)[1], 1)
+        if not keep:
+            self._slot = None
+
+    def replied(self) -> None:
+        """A captured reply was replayed: the dispatch is answered."""
         self._slot = None
 
     def stop(self) -> None:
