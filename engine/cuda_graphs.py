@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.epoch: int | None = None  # the expert backend's graph_epoch() they hold
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -66,9 +67,20 @@ class DecodeGraphs:
         )
         return r.model.compute_logits(hidden)
 
+    def recapture(self, epoch: int) -> None:
+        """Every bucket captured again (the expert backend changed what they hold); on
+        the CPU, where nothing is captured (`run` steps eagerly), only the epoch."""
+        self.graphs.clear()
+        self.pool = None
+        if self.runner.device.type == "cuda":
+            self.capture()
+        self.epoch = epoch
+
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.monotonic()
+        if self.epoch is None:
+            self.epoch = self.runner.model.experts.graph_epoch()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -26,6 +26,16 @@ class ExpertBackend:
     # Whether dispatch's output includes the layer's shared experts (moe.shared_weights()).
     runs_shared = False
 
+    def graph_epoch(self) -> int | None:
+        """Before a captured step replays (its begin_step does not run): applies what
+        changed since the last step and returns a number that changes whenever a
+        capture would bake in something else; None while no graph may hold the
+        experts (the step then runs eagerly)."""
+        return 0 if self.graph_safe else None
+
+    def after_replay(self) -> None:
+        """A captured step ran (its end_step did not)."""
+
     def begin_step(self) -> None:
         """A step starts: nothing of the last one is in flight (a placement may change)."""
 

@@ -151,13 +151,14 @@ class ModelRunner:
                 self.graphs.capture()
 
     def set_expert_backend(self, experts) -> None:
-        """Where the routed experts run from the next step on (engine/expert_backend.py);
-        a backend CUDA graphs cannot capture turns the graphs off."""
+        """Where the routed experts run from the next step on (engine/expert_backend.py).
+        The decode graphs are captured again before their next replay, through it;
+        while it cannot be captured (`graph_epoch()` None) the steps run eagerly."""
         if self.parallel:
             raise ValueError("expert services need tensor and pipeline parallel sizes of 1")
         self.model.set_expert_backend(experts)
-        if not experts.graph_safe:
-            self.graphs = None
+        if self.graphs is not None:
+            self.graphs.epoch = None
 
     def parallel_stats(self) -> list[dict]:
         """Per rank (rank 0 first): seconds spent computing steps and in collectives,
@@ -259,6 +260,8 @@ class ModelRunner:
         (`step_inputs.rows_pay`; never without graphs or with the flag off)."""
         if self.graphs is None or not self.config.graph_prompt_rows:
             return False
+        if not self.model.experts.graph_safe:
+            return False
         per_token = self.kv_spec.bytes_per_token
         return step_inputs.rows_pay(seqs, num_new, self.graphs.max_batch, per_token,
                                     self.weight_bytes)  # fmt: skip
@@ -273,9 +276,11 @@ class ModelRunner:
             and not force_eager
             and inputs.meta.decode_only
             and rows <= self.graphs.max_batch
+            and self._graphs_ready()
         ):
             self.num_tokens_processed += rows
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            self.model.experts.after_replay()
             if not inputs.sample_seqs:
                 return None
             if len(inputs.sample_seqs) < rows:  # rows of prompt chunks sample nothing
@@ -291,6 +296,18 @@ class ModelRunner:
         with ops.using(self.kernel_mode):
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         return self.sampler.launch(logits, inputs.sample_seqs, masks)
+
+    def _graphs_ready(self) -> bool:
+        """Whether this step may replay a decode graph: the expert backend can be
+        captured, and the graphs were captured under what it is now (a new expert
+        group or placement is captured again here, at a step boundary)."""
+        epoch = self.model.experts.graph_epoch()
+        if epoch is None:
+            return False
+        if epoch != self.graphs.epoch:
+            with ops.using(self.kernel_mode):
+                self.graphs.recapture(epoch)
+        return True
 
     def _launch_stage(self, inputs: StepInputs, masks) -> PipelinedSample | None:
         """Pipeline stage 0: its layers, then the next stage's input; the logits come

@@ -54,8 +54,6 @@ class _Sent:
 
 
 class RemoteExperts(ExpertBackend):
-    graph_safe = False  # collectives with other processes
-
     def __init__(self, worker_id: str, moe_layers: list[int], on_failure: Callable[[], None],
                  tracer=None):  # fmt: skip
         self.worker_id = worker_id
@@ -71,6 +69,7 @@ class RemoteExperts(ExpertBackend):
         self.record = StepRecord(worker_id, tracer)
         self._pairs: torch.Tensor | None = None  # [remote, local] on the device, this step
         self._moes: dict[int, object] = {}  # MoE layer index -> its module (the stream path)
+        self._epoch = 0  # changes with what a captured step bakes in (group, placement, broken)
 
     # -- the control loop's side ---------------------------------------------
     def install(self, group: ExpertGroup | None, placement: Placement) -> None:
@@ -85,18 +84,39 @@ class RemoteExperts(ExpertBackend):
         return self.placement.version if self.placement is not None else 0
 
     # -- the engine thread's side -----------------------------------------------
-    def begin_step(self) -> None:
+    @property
+    def graph_safe(self) -> bool:
+        """A CUDA graph may capture the dispatches: computed here (no group, or it
+        failed) or over the stream path; the mailboxes and collectives read counts on
+        the host."""
+        if self.group is None or self.broken or self.applied_version == 0:
+            return True
+        return bool(getattr(self.group.port, "partial", False))
+
+    def graph_epoch(self) -> int | None:
+        self._apply_pending()
+        return self._epoch if self.graph_safe else None
+
+    def after_replay(self) -> None:
+        self._read_pairs()
+
+    def _apply_pending(self) -> None:
         with self._lock:
             pending, self._next = self._next, None
-        if pending is not None:
-            old = self.group
-            self.group, self.placement = pending
-            self.broken = False
-            if self.group is not None and hasattr(self.group.port, "guard"):
-                self.group.port.guard(self._stand_in, self._member_lost)
-            if old is not None and old is not self.group:
-                old.close(graceful=True)
-            metrics.PLACEMENT_VERSION.labels(worker=self.worker_id).set(self.applied_version)
+        if pending is None:
+            return
+        old = self.group
+        self.group, self.placement = pending
+        self.broken = False
+        self._epoch += 1
+        if self.group is not None and hasattr(self.group.port, "guard"):
+            self.group.port.guard(self._stand_in, self._member_lost)
+        if old is not None and old is not self.group:
+            old.close(graceful=True)
+        metrics.PLACEMENT_VERSION.labels(worker=self.worker_id).set(self.applied_version)
+
+    def begin_step(self) -> None:
+        self._apply_pending()
         if self.group is not None and hasattr(self.group.port, "begin_step"):
             self.group.port.begin_step()  # the stream path takes its slots in step order
         self.record.begin(self.applied_version)
@@ -105,11 +125,17 @@ class RemoteExperts(ExpertBackend):
         for sent in self._inflight:  # a micro-batch that failed left these
             self._settle(sent)
         self._inflight.clear()
-        if self._pairs is not None:  # the stream path's pairs: read once a step
+        if not (self._pairs is not None and self._pairs.is_cuda
+                and torch.cuda.is_current_stream_capturing()):  # fmt: skip
+            self._read_pairs()
+        self.record.end()
+
+    def _read_pairs(self) -> None:
+        """The stream path's pairs, counted on the device: read once a step."""
+        if self._pairs is not None:
             remote, local = self._pairs.tolist()
             self.record.tokens(remote, local)
             self._pairs.zero_()
-        self.record.end()
 
     def dispatch(self, moe, hidden, topk_weights, topk_ids):
         started = time.monotonic()
@@ -235,6 +261,7 @@ class RemoteExperts(ExpertBackend):
         self.record.fell_back()
         if not self.broken:
             self.broken = True
+            self._epoch += 1  # a captured step would still send to the lost member
             logger.warning("expert service %d stopped answering; computing experts locally "
                            "until a new group is formed", member + 1)  # fmt: skip
             self.on_failure()
@@ -245,6 +272,7 @@ class RemoteExperts(ExpertBackend):
         if self.broken:
             return
         self.broken = True
+        self._epoch += 1
         logger.warning("expert group failed (%s); computing experts locally until a new "
                        "group is formed", why)  # fmt: skip
         if self.group is not None:

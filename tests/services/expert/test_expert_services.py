@@ -71,7 +71,9 @@ def test_tokens_equal_the_single_process_engine_with_ping_pong_off_and_on(cluste
     # micro-batches: two dispatches per MoE layer and step, and the services work
     # on one while the worker computes the other's attention
     assert split_stats["dispatches"] > 1.5 * whole_stats["dispatches"]
-    assert hidden_seconds(split_stats) > 3 * hidden_seconds(whole_stats)
+    # (2.7-3.5x on this 2-core machine; 3x failed about one run in four, before and
+    # after the stream path came)
+    assert hidden_seconds(split_stats) > 2 * hidden_seconds(whole_stats)
 
 
 def test_tokens_over_the_stream_path_equal_the_single_process_engine(cluster, tiny_moe):
