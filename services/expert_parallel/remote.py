@@ -275,6 +275,8 @@ class RemoteExperts(ExpertBackend):
         self._epoch += 1
         logger.warning("expert group failed (%s); computing experts locally until a new "
                        "group is formed", why)  # fmt: skip
-        if self.group is not None:
+        # A stream group stays open until the next one replaces it at a step boundary:
+        # a dispatch already queued waits on its members' answers (a GPU's stream does)
+        if self.group is not None and not getattr(self.group.port, "partial", False):
             self.group.close(graceful=False)
         self.on_failure()
