@@ -134,11 +134,11 @@ class ExpertStore:
         would overrun."""
         biggest = max(self._layers, key=lambda x: len(x.experts))
         hidden = biggest.w13.shape[2]
+        top_k = max(1, self.weights.config.num_experts_per_tok)
         with torch.inference_mode():
             for size in sorted(k for k in sizes if 0 < k <= len(biggest.experts)):
                 w13, w2 = biggest.w13[:size], biggest.w2[:size]
                 rows = 1
-                top_k = max(1, self.weights.config.num_experts_per_tok)
                 while rows <= most_rows:
                     x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
                     ids = torch.arange(rows * top_k, device=self.device) % size

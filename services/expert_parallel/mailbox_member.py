@@ -34,6 +34,31 @@ from services.expert_parallel.wire import KIND_ROWS
 from services.kv_transport.cuda_ipc import PlainUnpickler, open_remote, pid_namespace
 
 
+def member_device(device: torch.device, on_gpu: bool) -> torch.device:
+    """This service's device for a worker's buffers on its GPU (`on_gpu`) or host: a
+    MailboxError where they are not on the same kind; "cuda" names this process's
+    current GPU."""
+    if on_gpu != (device.type == "cuda"):
+        raise MailboxError(f"the worker's activations are on the {'GPU' if on_gpu else 'CPU'}"
+                           f", this service's experts on {device}")  # fmt: skip
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_mapped(mapped: torch.Tensor, device: torch.device) -> None:
+    """The worker's GPU buffers must be on this service's GPU (the flags and events
+    of each end are its own GPU's)."""
+    if mapped.device != device:
+        raise MailboxError(f"the worker's activations are on {mapped.device}, "
+                           f"this service's experts on {device}")  # fmt: skip
+
+
+def worker_pid(desc: dict) -> int | None:
+    """The worker's pid where this process sees the same pids (a death it can notice)."""
+    return desc["worker_pid"] if desc["pidns"] == pid_namespace() else None
+
+
 class MemberMailbox:
     """Raises MailboxError where this process cannot map the mailbox (another host,
     another IPC namespace, a GPU it cannot see or that is not its own)."""
@@ -58,15 +83,11 @@ class MemberMailbox:
             raise MailboxError(f"mailbox version {desc.get('version')} is not 1")
         dtype = getattr(torch, desc["dtype"])
         on_host = desc["cuda"] is None
-        if on_host == (device.type == "cuda"):
-            raise MailboxError(f"the worker's activations are on the {'CPU' if on_host else 'GPU'}"
-                               f", this service's experts on {device}")  # fmt: skip
+        device = member_device(device, not on_host)
         slots, capacity, hidden = desc["slots"], desc["capacity"], desc["hidden"]
         path = Path(desc["path"])
         m = map_file(path, file_bytes(slots, capacity, hidden, dtype, on_host), create=False)
         box = Shared(path, slots, capacity, m, memoryview(m)[:CONTROL_BYTES].cast("q"))
-        if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
-            device = torch.device("cuda", torch.cuda.current_device())
         self.box, self.device = box, device
         box.open_doorbells()
         if on_host:
@@ -76,16 +97,13 @@ class MemberMailbox:
             box.rows, box.ids, box.reply = (
                 open_remote(cuda[k])[0] for k in ("rows", "ids", "reply")
             )
-            if box.rows.device != device:  # its events record on the worker's GPU only
-                raise MailboxError(f"the worker's activations are on {box.rows.device}, "
-                                   f"this service's experts on {device}")  # fmt: skip
+            check_mapped(box.rows, device)
             box.sent_events = [torch.cuda.Event.from_ipc_handle(device, h) for h in cuda["sent"]]
             box.replied_events = [
                 torch.cuda.Event.from_ipc_handle(device, h) for h in cuda["replied"]
             ]
-        same_pids = desc["pidns"] == pid_namespace()
-        self.worker_pid = desc["worker_pid"] if same_pids else None
-        box.control[MEMBER_PID] = os.getpid() if same_pids else 0
+        self.worker_pid = worker_pid(desc)
+        box.control[MEMBER_PID] = os.getpid() if self.worker_pid is not None else 0
         self._seen = box.control[REPLIED]  # a fresh mailbox: 0
         self._slot = self._rows = None
 

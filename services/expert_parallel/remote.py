@@ -209,8 +209,6 @@ class RemoteExperts(ExpertBackend):
     def _settle(self, sent: _Sent) -> torch.Tensor:
         if sent.out is not None:
             return sent.out
-        if sent.partial:
-            return self._settle_partial(sent)
         called = time.monotonic()
         ready = sent.transfer.done()
         try:
@@ -222,6 +220,9 @@ class RemoteExperts(ExpertBackend):
             return sent.out
         finished = time.monotonic()
         self.record.combined(finished - called, finished - sent.issued, ready)
+        if sent.partial:  # the stream path: the members' parts, added up, plus ours
+            sent.out = results if sent.local_out is None else results.add_(sent.local_out)
+            return sent.out
         tokens, top_k = sent.ids.shape
         pair_out = torch.empty(tokens * top_k, sent.hidden.shape[1], dtype=sent.hidden.dtype,
                                device=sent.hidden.device)  # fmt: skip
@@ -229,21 +230,6 @@ class RemoteExperts(ExpertBackend):
         if sent.local_pairs is not None:
             pair_out[sent.local_pairs] = sent.local_out
         sent.out = moe_sum(pair_out.view(tokens, top_k, -1), sent.weights)
-        return sent.out
-
-    def _settle_partial(self, sent: _Sent) -> torch.Tensor:
-        called = time.monotonic()
-        ready = sent.transfer.done()
-        try:
-            out = sent.transfer.wait()
-        except Exception as exc:
-            self._fail(f"combine: {exc}")
-            sent.out = ops.fused_moe(sent.hidden, sent.moe.w13, sent.moe.w2, sent.weights,
-                                     sent.ids)  # fmt: skip
-            return sent.out
-        finished = time.monotonic()
-        self.record.combined(finished - called, finished - sent.issued, ready)
-        sent.out = out if sent.local_out is None else out.add_(sent.local_out)
         return sent.out
 
     def _stand_in(self, layer: int, tokens, weights, ids) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from basis.host_regions import pid_alive
 from services.expert_parallel.mailbox import MailboxError
+from services.expert_parallel.mailbox_member import check_mapped, member_device, worker_pid
 from services.expert_parallel.stream_flags import FlagError, StreamFlags, poll
 from services.expert_parallel.stream_port import (
     control_index,
@@ -20,7 +21,7 @@ from services.expert_parallel.stream_port import (
     flag_index,
     shared_tensor,
 )
-from services.kv_transport.cuda_ipc import PlainUnpickler, open_remote, pid_namespace
+from services.kv_transport.cuda_ipc import PlainUnpickler, open_remote
 
 
 class _Stopped(Exception):
@@ -44,12 +45,7 @@ class StreamMember:
         if desc.get("version") != 1 or desc.get("kind") != "stream":
             raise MailboxError("not a version-1 expert stream description")
         on_gpu = desc["cuda"] is not None
-        if on_gpu != (device.type == "cuda"):
-            raise MailboxError(f"the worker's tokens are on the {'GPU' if on_gpu else 'CPU'}, "
-                               f"this service's experts on {device}")  # fmt: skip
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = device = member_device(device, on_gpu)
         self.member, self.slots = desc["member"], desc["slots"]
         members = desc["members"]
         self.flags = StreamFlags(Path(desc["flags"]), flag_count(members, self.slots), device,
@@ -62,9 +58,7 @@ class StreamMember:
             self.tokens, self.weights, ids, out = (
                 open_remote(cuda[k])[0] for k in ("hidden", "weights", "ids", "out")
             )
-            if self.tokens.device != device:
-                raise MailboxError(f"the worker's tokens are on {self.tokens.device}, "
-                                   f"this service's experts on {device}")  # fmt: skip
+            check_mapped(self.tokens, device)
         else:
             paths = desc["paths"]
             self.tokens = shared_tensor(Path(paths["hidden"]), (slots, capacity, hidden), dtype)
@@ -73,9 +67,9 @@ class StreamMember:
             ids = shared_tensor(Path(paths["ids"]), (members, slots, capacity, top_k), torch.int32)
             out = shared_tensor(Path(paths["out"]), (members, slots, capacity, hidden), dtype)
         self.ids, self.out = ids[self.member], out[self.member]  # this member's part
-        same_pids = desc["pidns"] == pid_namespace()
-        self.worker_pid = desc["worker_pid"] if same_pids else None
-        self.flags.host[self.control["pid"] + self.member] = os.getpid() if same_pids else 0
+        self.worker_pid = worker_pid(desc)
+        pid = os.getpid() if self.worker_pid is not None else 0
+        self.flags.host[self.control["pid"] + self.member] = pid
         self._sent = [flag_index(self.member, s, self.slots)[0] for s in range(self.slots)]
         self._taken = [flag_index(self.member, s, self.slots)[2] for s in range(self.slots)]
         self._slot = self._rows = None
