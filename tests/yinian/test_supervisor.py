@@ -4,6 +4,7 @@ rejoins; only Ctrl-C/SIGTERM, or a service that keeps failing, ends it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import httpx
 import pytest
 from processes import alive
 
-from bench.loadgen.client import RequestInput, send_request
 from bench.up_process import UpProcess
 from yinian.children import launch
 from yinian.mesh import Mesh, MeshSpec
@@ -23,11 +23,31 @@ from yinian.mesh_probe import default_tls, scrape, wait_running
 from yinian.supervisor import GaveUp, Supervisor
 
 
-def stream(url: str, prompt: str, max_tokens: int):
+def stream(url: str, prompt: str, max_tokens: int, relayed: threading.Semaphore | None = None):
+    """One streamed completion; `relayed` is released once its first events have reached
+    this client (the gateway has then had tokens of it from a worker)."""
+
     async def one():
+        events = 0
+        usage = None
         async with httpx.AsyncClient(timeout=120, verify=default_tls()) as client:
-            request = RequestInput(f"{url}/v1/completions", "tiny-llama", prompt, 0, max_tokens)
-            return await send_request(client, request)
+            body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    return (await resp.aread()).decode(), 0
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("error") is not None:
+                        return line, 0
+                    usage = chunk.get("usage") or usage
+                    events += 1
+                    if events == 2 and relayed is not None:
+                        relayed.release()
+        return "", (usage or {}).get("completion_tokens", 0)
 
     return asyncio.run(one())
 
@@ -45,18 +65,22 @@ def test_killed_decode_worker_is_restarted_and_the_mesh_keeps_serving(model_dir)
         up.wait_for("yinian is ready", timeout=90)
         url = up.url
         decode_0 = up.children()["decode-0"]
+        relayed = threading.Semaphore(0)
         with ThreadPoolExecutor(16) as pool:
-            streams = [pool.submit(stream, url, f"story {i}", 600) for i in range(16)]
-            # killed once it has decoded some of them for a few steps (a fixed wait raced
-            # the prefills on a loaded CI host: the streams all went to decode-1 and none
-            # migrated; killed as soon as one ran, its streams had no token out yet and
-            # were placed again, not migrated; 3 steps still raced it under the full suite
-            # on 2 cores, 2 full runs in 5: likely no token relayed by the gateway yet)
-            wait_running(up.metrics_address("decode-0"), timeout=60, steps=20)
+            streams = [pool.submit(stream, url, f"story {i}", 600, relayed) for i in range(16)]
+            # killed while decode-0 runs some of them and every stream has had tokens
+            # through the gateway: a request on it then fails mid-stream and migrates.
+            # (A fixed wait raced the prefills on a loaded CI host: all streams went to
+            # decode-1. Waiting for decode-0's engine steps alone raced the gateway's relay
+            # under the full suite on 2 cores: killed before any of its tokens reached the
+            # gateway, its requests were placed again, not migrated.)
+            wait_running(up.metrics_address("decode-0"), timeout=60)
+            for _ in range(16):
+                assert relayed.acquire(timeout=90), "a stream had no tokens within 90 s"
             subprocess.run(["kill", "-9", str(decode_0)], check=True)
             results = [s.result(timeout=150) for s in streams]
-        assert [r.error for r in results if not r.success] == []
-        assert all(r.output_tokens == 600 for r in results)
+        assert [error for error, _ in results] == [""] * 16
+        assert [tokens for _, tokens in results] == [600] * 16
         assert scrape(f"{url}/metrics", "yinian:request_migrations_total") >= 1  # mid-stream
         up.wait_for("decode-0 is back", timeout=60)
         assert "decode-0 was killed by SIGKILL; restarting it" in up.output
