@@ -21,6 +21,7 @@ CPU over the tokens of short requests is mostly per-request work.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
            [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
+           [--placement auto|gateway|scheduler]
            [--output-len 32] [--long-output-len 256]
            [--min-requests 32] [--floor-calls 300] [--out bench/results/mesh_overhead.json]
 """
@@ -217,7 +218,9 @@ def run(args, folder: Path) -> dict:
     if not args.worker_links:  # the gateway makes one Generate call a request
         env["YINIAN_WORKER_LINKS"] = "false"
     results["worker_links"] = args.worker_links
-    spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args), env=env)
+    results["placement"] = args.placement
+    spec = MeshSpec(model=str(folder), workers=1, port=0, engine_argv=engine_argv(args), env=env,
+                    gateway_argv=["--placement", args.placement])  # fmt: skip
     with Mesh(spec) as mesh:
         url = f"{mesh.url}/v1/completions"
         pids = {child.name: child.proc.pid for child in mesh.children if child.proc}
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_false",
         help="the gateway makes one Generate call a request (no link a worker)",
     )
+    parser.add_argument("--placement", default="auto", choices=("auto", "gateway", "scheduler"),
+                        help="the gateway's --placement (auto: the gateway places, as under "
+                        "`yinian up`)")  # fmt: skip
     parser.add_argument("--output-len", type=int, default=32, help="tokens a request")
     parser.add_argument("--long-output-len", type=int, default=0,
                         help="also run each concurrency through the mesh with this many "

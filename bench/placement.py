@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from services.common.kv_index import GPU, HOST, KvIndex
-from services.scheduler.placement import PlacementPolicy, place
-from services.scheduler.registry import Registry, WorkerState
+from services.common.placement import PlacementPolicy, place
+from services.common.registry import Registry, WorkerState
 
 SYSTEM_BLOCKS = 32  # the shared system prompt (512 tokens of 16)
 CONVERSATIONS_PER_WORKER = 8

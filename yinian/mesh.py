@@ -140,8 +140,8 @@ class Mesh:
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
-        # with logins, a service has its own or none (a gateway speaks no NATS: it must
-        # not hold the owner's login)
+        # with logins, a service has its own (a gateway reads the load reports and KV
+        # events to place requests itself) or none: never the owner's
         nats_url = self.service_nats_urls.get(name) if self.service_nats_urls else self.nats_url
         given = any(a == "--nats-url" or a.startswith("--nats-url=") for a in argv)
         if nats_url is None and module != "services.gateway" and not given:
@@ -270,7 +270,9 @@ class Mesh:
     def service_names(self) -> list[str]:
         """The services of this mesh that speak on NATS, by the names it gives them."""
         spare = range(self.spec.workers, self.spec.max_workers)
+        gateways = ["gateway"] + [f"gateway-{i}" for i in range(1, self.spec.gateways)]
         return (["scheduler"] + (["kvstore"] if self.spec.kvstore else [])
+                + gateways[: self.spec.gateways]
                 + [f"{prefix}-{i}" for prefix, _, _, i in self._placed()]
                 + [f"worker-{i}" for i in spare]
                 + [f"expert-{i}" for i in range(self.spec.experts)])  # fmt: skip

@@ -80,8 +80,10 @@ def sample_sum(text: str, name: str, where: str = "") -> float:
     )
 
 
-def gateway_metric(mesh, name: str) -> float:
-    return scrape(f"{mesh.url}/metrics", name, verify=mesh.ssl_context() or True)
+def gateway_metric(mesh, name: str, where: str = "") -> float:
+    """The sum of the first gateway's samples of a metric (those whose labels contain
+    `where`)."""
+    return scrape(f"{mesh.url}/metrics", name, where, verify=mesh.ssl_context() or True)
 
 
 def metric_sum(mesh, name: str, role: str = "decode") -> float:

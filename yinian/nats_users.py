@@ -1,10 +1,11 @@
 """The NATS logins of a mesh `yinian up` starts: one user per service, each
 allowed to publish only the subjects it owns and to read only those it uses (a
 worker publishes its own load and KV events, not another's; only the scheduler
-asks a worker to register), and one operator user with every subject (for
-the mesh's owner: tools and tests). Receivers also check that a message names
-the service its subject names (services/common/bus.py): a login's allow-list
-and the message's contents then agree."""
+asks a worker to register; a gateway reads what placing needs), and one
+operator user with every subject (for the mesh's owner: tools and tests).
+Receivers also check that a message names the service its subject names
+(services/common/bus.py): a login's allow-list and the message's contents
+then agree."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def service_login(name: str) -> Login:
     if name == "scheduler":
         publish = (register_subject(), KV_RESYNC_SUBJECT)
         subscribe = (load_subject(), kv_subject(), SHARED_KV_SUBJECT, expert_load_subject())
+    elif name == "gateway" or name.startswith("gateway-"):  # it places requests itself
+        publish = (KV_RESYNC_SUBJECT,)
+        subscribe = (load_subject(), kv_subject(), SHARED_KV_SUBJECT)
     elif name == "kvstore":
         publish, subscribe = (SHARED_KV_SUBJECT,), (KV_RESYNC_SUBJECT,)
     elif name.startswith("expert-"):

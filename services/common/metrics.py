@@ -285,28 +285,39 @@ MIGRATIONS = Counter(
     registry=GATEWAY,
 )
 
+
+# Placement: the scheduler's, and a gateway's that places requests itself
+def _placement_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    placements = Counter(
+        "yinian:placements_total", "Placement decisions", ["outcome"], registry=registry
+    )
+    prefix_blocks = Counter(
+        "yinian:placed_prefix_blocks",
+        "Prompt blocks the KV index says are cached (any tier) at the worker each placement "
+        "chose (chosen), and at the open worker holding the most (longest): the gap is cache "
+        "given up for load",
+        ["kind"],
+        registry=registry,
+    )
+    gaps = Counter(
+        "yinian:kv_index_gaps",
+        "KV event batches found missing (the holder's entries are dropped until it resyncs)",
+        ["holder"],
+        registry=registry,
+    )
+    return placements, prefix_blocks, gaps
+
+
+PLACEMENTS, PLACED_PREFIX_BLOCKS, KV_INDEX_GAPS = _placement_metrics(SCHEDULER)
+GATEWAY_PLACEMENTS, GATEWAY_PLACED_PREFIX_BLOCKS, GATEWAY_KV_INDEX_GAPS = _placement_metrics(
+    GATEWAY
+)
+
 # Scheduler
-PLACEMENTS = Counter(
-    "yinian:placements_total", "Placement decisions", ["outcome"], registry=SCHEDULER
-)
-PLACED_PREFIX_BLOCKS = Counter(
-    "yinian:placed_prefix_blocks",
-    "Prompt blocks the KV index says are cached (any tier) at the worker each placement "
-    "chose (chosen), and at the open worker holding the most (longest): the gap is cache "
-    "given up for load",
-    ["kind"],
-    registry=SCHEDULER,
-)
 KV_INDEX_BLOCKS = Gauge(
     "yinian:kv_index_blocks",
     "Blocks the scheduler's KV index knows, by holder (a worker, or the shared tier) and tier",
     ["holder", "tier"],
-    registry=SCHEDULER,
-)
-KV_INDEX_GAPS = Counter(
-    "yinian:kv_index_gaps",
-    "KV event batches found missing (the holder's entries are dropped until it resyncs)",
-    ["holder"],
     registry=SCHEDULER,
 )
 READY_WORKERS = Gauge(

@@ -10,19 +10,22 @@ import logging
 import signal
 import time
 
+import grpc
 import uvicorn
 
 from proto.yinian.v1 import inference_pb2_grpc
+from services.common.bus import EventBus
 from services.common.grpc_server import GrpcServer
 from services.common.processes import listen_socket
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.gateway.admission import Admission
 from services.gateway.auth import Authenticator, check_listen_address, load_keys
-from services.gateway.clients import SchedulerClient, WorkerPool
+from services.gateway.clients import SchedulerClient, WorkerPool, serving_workers
 from services.gateway.config import GatewayConfig
 from services.gateway.frontend import Frontend
 from services.gateway.gateway_core import GatewayCore
 from services.gateway.http_protocol import connection_cap, protocol
+from services.gateway.local_placement import LocalPlacement
 from services.gateway.openai_api import create_app
 from services.gateway.servicer import InferenceServicer
 
@@ -30,10 +33,13 @@ logger = logging.getLogger(__name__)
 
 
 class HealthProbe:
-    """Ready when the scheduler answers and has a ready worker; cached briefly."""
+    """Ready when the scheduler answers and has a ready worker, and the gateway's own
+    placer (when it places requests) is not warming up; cached briefly. The list it
+    reads goes to that placer too: once the gateway says it is ready, it knows every
+    worker the scheduler then knew."""
 
-    def __init__(self, scheduler: SchedulerClient, ttl: float = 0.5):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: SchedulerClient, ttl: float = 0.5, placer=None):
+        self.scheduler, self.placer = scheduler, placer
         self.ttl = ttl
         self._at = 0.0
         self._ready = False
@@ -41,9 +47,21 @@ class HealthProbe:
     async def __call__(self) -> bool:
         now = time.monotonic()
         if now - self._at > self.ttl:
-            self._ready = await self.scheduler.ready_workers() > 0
+            self._ready = await self._check()
             self._at = now
         return self._ready
+
+    async def _check(self) -> bool:
+        try:
+            if self.placer is None:
+                listing = await self.scheduler.list_workers()
+            else:
+                listing = await self.placer.refresh()
+        except grpc.RpcError:
+            return False
+        if self.placer is not None and self.placer.warming:
+            return False
+        return serving_workers(listing) > 0
 
 
 async def run(config: GatewayConfig) -> None:
@@ -52,6 +70,10 @@ async def run(config: GatewayConfig) -> None:
     check_listen_address(config.host, auth, config.allow_unauthenticated)
     tls = config.tls_files()
     scheduler = SchedulerClient(config.scheduler, tls=tls)
+    placer = scheduler
+    if config.places_itself:
+        placer = LocalPlacement(scheduler, EventBus(config.nats_url, "gateway"))
+        await placer.start()
     workers = WorkerPool(tls, links=config.worker_links)
     core = GatewayCore(
         config.served_model_name,
@@ -63,7 +85,7 @@ async def run(config: GatewayConfig) -> None:
     )
     core.frontend = Frontend(
         core.tokenizer,
-        scheduler,
+        placer,
         workers,
         config.block_size,
         config.request_timeout,
@@ -75,7 +97,7 @@ async def run(config: GatewayConfig) -> None:
     # another worker once per migration, each call with its own deadline
     lease = config.request_timeout * (config.max_migrations + 1) + 30
     core.admission = Admission(config.tenant_limits, config.redis_url, lease)
-    health = HealthProbe(scheduler)
+    health = HealthProbe(scheduler, placer=placer if placer is not scheduler else None)
     app = create_app(core, auth, health, config.max_body_bytes, config.body_timeout)
 
     def reload() -> None:
@@ -140,6 +162,8 @@ async def run(config: GatewayConfig) -> None:
         asyncio.wait({serve_task}, timeout=config.drain_timeout + 3),
     )
     await workers.close()
+    if placer is not scheduler:
+        await placer.close()
     await scheduler.close()
     await core.admission.close()
     shutdown_tracing()

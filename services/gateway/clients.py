@@ -117,15 +117,17 @@ class SchedulerClient:
         self.recent.add(placement)
         return placement
 
-    async def ready_workers(self) -> int:
-        try:
-            resp = await self.stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return -1
-        return sum(1 for w in resp.workers if w.ready and w.info.role in ("colocated", "decode"))
+    async def list_workers(self, timeout: float = 1.0) -> scheduler_pb2.ListWorkersResponse:
+        """The scheduler's workers and placement settings (grpc.RpcError when it is away)."""
+        return await self.stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def serving_workers(listing: scheduler_pb2.ListWorkersResponse) -> int:
+    """The ready workers a request can be placed on (colocated or decode) in a list."""
+    return sum(1 for w in listing.workers if w.ready and w.info.role in ("colocated", "decode"))
 
 
 class WorkerPool(WorkerChannels):

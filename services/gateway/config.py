@@ -17,6 +17,17 @@ class GatewayConfig(TlsSettings):
     port: int = setting(8000, "REST (OpenAI) port")
     grpc_port: int = setting(50051, "gRPC (yinian.v1.Inference) port")
     scheduler: str = setting("127.0.0.1:50052", "the scheduler's gRPC address")
+    nats_url: str = setting(
+        "",
+        "NATS of the workers' load reports and KV events: with it the gateway places "
+        "requests itself (no call to the scheduler a request); empty: the scheduler does",
+    )
+    placement: str = setting(
+        "auto",
+        "who places a request: the gateway (from the NATS events: needs --nats-url), the "
+        "scheduler (one call a request), or auto (the gateway when it has --nats-url)",
+        choices=("auto", "gateway", "scheduler"),
+    )
     api_keys: str | None = setting(
         None,
         "file of API keys ('key tenant' per line, or JSON {key: tenant}); "
@@ -92,6 +103,8 @@ class GatewayConfig(TlsSettings):
             raise ValueError("max_migrations must be >= 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.placement == "gateway" and not self.nats_url:
+            raise ValueError("placement 'gateway' needs --nats-url (the workers' load reports)")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if self.max_connections < 1:
@@ -103,6 +116,11 @@ class GatewayConfig(TlsSettings):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         TlsSettings.__post_init__(self)
+
+    @property
+    def places_itself(self) -> bool:
+        """The gateway places requests (else the scheduler does)."""
+        return self.placement != "scheduler" and bool(self.nats_url)
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:

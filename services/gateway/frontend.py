@@ -1,9 +1,10 @@
 """The gateway's core: one request from token ids to streamed text.
 
-It asks the scheduler where to run, streams token ids from that worker,
-detokenizes each output incrementally and applies stop strings (the worker
-sees none: it stops on tokens, the gateway on text, and cancels the worker
-when every output has stopped). A worker that fails before its first token
+It asks where to run (the scheduler, or the gateway's own placer:
+local_placement.py), streams token ids from that worker, detokenizes each
+output incrementally and applies stop strings (the worker sees none: it stops
+on tokens, the gateway on text, and cancels the worker when every output has
+stopped). A worker that fails before its first token
 is replaced by another placement. Every run ends with each output's finish
 reason or an exception: a worker stream that closes early is a failed worker.
 """
@@ -91,7 +92,7 @@ class Frontend:
     def __init__(
         self,
         tokenizer,
-        scheduler,
+        placer,
         workers,
         block_size: int = 16,
         request_timeout: float = 600.0,
@@ -100,7 +101,7 @@ class Frontend:
         max_migrations: int = 2,
     ):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self.placer = placer  # SchedulerClient or LocalPlacement
         self.workers = workers
         self.block_size = block_size
         self.request_timeout = request_timeout
@@ -126,7 +127,7 @@ class Frontend:
         failures_before_output = 0
         while True:
             with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
-                placement = await self.scheduler.place(
+                placement = await self.placer.place(
                     prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded,
                     self.block_size,
                 )  # fmt: skip

@@ -14,80 +14,39 @@ from google.protobuf import empty_pb2
 
 from proto.yinian.v1 import common_pb2, scheduler_pb2_grpc
 from services.common import metrics
-from services.common.bus import (
-    KV_RESYNC_SUBJECT,
-    SHARED_KV_SUBJECT,
-    EventBus,
-    kv_subject,
-    load_subject,
-    register_subject,
-)
+from services.common.bus import EventBus, register_subject
 from services.common.entry import stop_on_signals
 from services.common.grpc_server import GrpcServer
-from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
+from services.common.kv_index import KvIndex
+from services.common.placement import PlacementPolicy
+from services.common.placement_feed import PlacementFeed
+from services.common.registry import Registry
 from services.common.telemetry import setup_tracing, shutdown_tracing
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.placement import PlacementPolicy
-from services.scheduler.registry import Registry
 from services.scheduler.servicer import SchedulerServicer
 
 logger = logging.getLogger("services.scheduler")
 ROLES = ("colocated", "prefill", "decode")
 
 
-class EventHandlers:
-    """What the scheduler does with the NATS events: load reports (heartbeats),
-    workers' KV events and the shared tier's (a gap asks that worker to resync; a
-    report from a worker not registered asks it to register again)."""
+class EventHandlers(PlacementFeed):
+    """The scheduler's NATS listener (PlacementFeed), which also asks a worker it hears
+    from but does not know to register again (the scheduler restarted)."""
 
     ASK_INTERVAL = 1.0  # seconds between two requests to register again, per worker
 
     def __init__(self, registry: Registry, index: KvIndex, bus: EventBus):
-        self.registry, self.index, self.bus = registry, index, bus
+        super().__init__(registry, index, bus, metrics.KV_INDEX_GAPS)
         self._asked: dict[str, float] = {}
 
-    async def on_load(self, report: common_pb2.LoadReport, headers) -> None:
-        known = self.registry.on_load(
-            report.worker_id,
-            report.num_requests_running,
-            report.num_requests_waiting,
-            report.kv_cache_usage,
-        )
+    async def on_load(self, report: common_pb2.LoadReport, headers) -> bool:
+        known = await super().on_load(report, headers)
         now = time.monotonic()
         if not known and now - self._asked.get(report.worker_id, -1e9) >= self.ASK_INTERVAL:
             # A draining worker ignores this; any other rejoins placement.
             self._asked[report.worker_id] = now
             await self.bus.publish(register_subject(report.worker_id), empty_pb2.Empty())
-
-    async def on_kv(self, events: common_pb2.KvEvents, headers) -> None:
-        if events.worker_id not in self.registry.workers:
-            return
-        changes = {GPU: (events.stored, events.removed),
-                   HOST: (events.host_stored, events.host_removed)}  # fmt: skip
-        await self._apply(events.worker_id, events.event_id, changes, events.reset)
-
-    async def on_shared(self, events: common_pb2.SharedKvEvents, headers) -> None:
-        # on a gap the KV store answers with a reset batch of the shared tier
-        changes = {SHARED: (events.stored, events.removed)}
-        await self._apply(SHARED_HOLDER, events.event_id, changes, events.reset)
-
-    async def _apply(self, holder: str, event_id: int, changes: dict, reset: bool) -> None:
-        """Applies one holder's numbered batch; a gap is counted and asks it to resync."""
-        gaps = self.index.gaps
-        in_order = self.index.apply(holder, event_id, changes, reset)
-        if self.index.gaps > gaps:
-            metrics.KV_INDEX_GAPS.labels(holder=holder).inc()
-        if not in_order:
-            await self.bus.publish(
-                KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=holder, reason="gap")
-            )
-
-    async def listen(self) -> None:
-        await self.bus.subscribe(load_subject(), common_pb2.LoadReport, self.on_load,
-                                 lambda m: load_subject(m.worker_id))  # fmt: skip
-        await self.bus.subscribe(kv_subject(), common_pb2.KvEvents, self.on_kv,
-                                 lambda m: kv_subject(m.worker_id))  # fmt: skip
-        await self.bus.subscribe(SHARED_KV_SUBJECT, common_pb2.SharedKvEvents, self.on_shared)
+        return known
 
 
 def export_index(index: KvIndex, shown: set) -> set:

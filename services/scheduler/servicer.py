@@ -9,9 +9,10 @@ from opentelemetry import trace
 from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import mesh_token, metrics
 from services.common.kv_index import GPU, HOST, SHARED, KvIndex, check_block_count
+from services.common.placement import PlacementPolicy, place
+from services.common.placement_outcomes import Outcomes, answer
+from services.common.registry import Registry, WorkerState
 from services.common.telemetry import context_from_grpc, tracer
-from services.scheduler.placement import PlacementPolicy, place
-from services.scheduler.registry import Registry, WorkerState
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("yinian.scheduler")
@@ -25,27 +26,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.index = index
         self.policy = policy
         self.heartbeat_interval = heartbeat_interval
-        self._mismatches: set[tuple[int, int]] = set()  # (gateway's, worker's) block sizes said
+        self.outcomes = Outcomes(metrics.PLACEMENTS, metrics.PLACED_PREFIX_BLOCKS)
 
     async def Register(self, request, context):
         if not request.worker_id or not request.address:
             raise ValueError("a worker needs a worker_id and an address")
         await mesh_token.only_itself(context, request.worker_id, "worker")
-        state = WorkerState(
-            worker_id=request.worker_id,
-            address=request.address,
-            role=request.role or "colocated",
-            block_size=request.block_size or 16,
-            max_num_seqs=request.max_num_seqs or 256,
-            kv_blocks_total=request.kv_blocks_total,
-            host=request.host,
-            transports=list(request.transports),
-            metrics_address=request.metrics_address,
-            model=request.model,
-            kv_layout=request.kv_layout,
-            parallel=request.tensor_parallel_size * request.pipeline_parallel_size > 1,
-            info=request,
-        )
+        state = WorkerState.from_info(request)
         if self.registry.register(state):
             self.index.forget(state.worker_id)  # a restart: its old cache is gone
         logger.info("registered %s (%s) at %s", state.worker_id, state.role, state.address)
@@ -80,42 +67,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     exclude=set(request.exclude_workers),
                 )
             except Exception as exc:
-                metrics.PLACEMENTS.labels(outcome=type(exc).__name__).inc()
+                self.outcomes.failed(exc)
                 span.set_attribute("yinian.placement_error", str(exc))
                 raise
-            metrics.PLACEMENTS.labels(outcome="placed").inc()
-            metrics.PLACED_PREFIX_BLOCKS.labels(kind="chosen").inc(decision.matched_blocks)
-            metrics.PLACED_PREFIX_BLOCKS.labels(kind="longest").inc(decision.longest_blocks)
-            if request.block_size and request.block_size != decision.worker.block_size:
-                self._block_size_mismatch(request.block_size, decision.worker)
+            self.outcomes.placed(decision, request.block_size)
             if decision.refused_prefills and decision.prefill is None:
-                metrics.PLACEMENTS.labels(outcome="prefill_layout_mismatch").inc()
                 span.set_attribute("yinian.prefill_refused", "KV layouts differ")
             span.set_attribute("yinian.worker_id", decision.worker.worker_id)
             span.set_attribute("yinian.matched_blocks", decision.matched_blocks)
-            out = scheduler_pb2.Placement(
-                worker_id=decision.worker.worker_id,
-                address=decision.worker.address,
-                matched_blocks=decision.matched_blocks,
-            )
+            out = answer(decision)
             if decision.prefill is not None:
-                out.prefill_worker_id = decision.prefill.worker_id
-                out.prefill_address = decision.prefill.address
                 span.set_attribute("yinian.prefill_worker_id", decision.prefill.worker_id)
             return out
-
-    def _block_size_mismatch(self, asked: int, worker) -> None:
-        """The gateway hashed the prompt in blocks of another size than the worker's:
-        no prefix can match (prefix-aware placement is off in all but name). Counted
-        every time, said once per pair of sizes."""
-        metrics.PLACEMENTS.labels(outcome="block_size_mismatch").inc()
-        if (asked, worker.block_size) not in self._mismatches:
-            self._mismatches.add((asked, worker.block_size))
-            logger.warning(
-                "the gateway hashes prompts in blocks of %d tokens, worker %s caches blocks "
-                "of %d: no cached prefix can be found; give the gateway --block-size %d",
-                asked, worker.worker_id, worker.block_size, worker.block_size,
-            )  # fmt: skip
 
     async def Holders(self, request, context):
         """Who holds each leading block of a prompt, from the mesh's one KV index."""
@@ -137,7 +100,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return out
 
     async def ListWorkers(self, request, context):
-        out = scheduler_pb2.ListWorkersResponse()
+        policy = self.policy
+        out = scheduler_pb2.ListWorkersResponse(
+            placement=scheduler_pb2.PlacementSettings(
+                max_waiting=policy.max_waiting,
+                request_tokens=policy.request_tokens,
+                memory_tokens=policy.memory_tokens,
+                host_hit_weight=policy.host_hit_weight,
+                shared_hit_weight=policy.shared_hit_weight,
+                retry_after_seconds=policy.retry_after,
+                disagg_min_tokens=policy.disagg_min_tokens,
+                heartbeat_timeout_seconds=self.registry.heartbeat_timeout,
+            )
+        )
         now = self.registry.clock()
         for w in self.registry.workers.values():
             out.workers.append(

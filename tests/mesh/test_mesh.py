@@ -23,9 +23,9 @@ from proto.yinian.v1 import (
 )
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import (
+    gateway_metric,
     index_sizes,
     list_workers,
-    scheduler_metric,
     wait_held,
     worker_metric,
 )
@@ -374,8 +374,8 @@ def running_requests(mesh) -> dict[str, int]:
 
 def test_a_gateway_hashing_other_blocks_than_the_workers_is_told(model_dir):
     # gateway --block-size 16 (its default), workers caching blocks of 32: no prefix
-    # can ever match, so prefix-aware placement is off; the scheduler counts each such
-    # placement and says once, in its log, what to set. The request is served.
+    # can ever match, so prefix-aware placement is off; the placer (the gateway) counts
+    # each such placement and says once, in its log, what to set. The request is served.
     engine = ["--device", "cpu", "--dtype", "float32", "--block-size", "32"]
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=1, port=0, engine_argv=engine)
     with Mesh(spec) as mesh:
@@ -384,6 +384,6 @@ def test_a_gateway_hashing_other_blocks_than_the_workers_is_told(model_dir):
                 "model": "tiny-llama", "prompt": f"blocks {i} " * 20, "max_tokens": 2})  # fmt: skip
             assert r.status_code == 200, r.text
         outcome = 'outcome="block_size_mismatch"'
-        assert scheduler_metric(mesh, "yinian:placements_total", outcome) == 2
-        log = (mesh.log_dir / "scheduler.log").read_text()
+        assert gateway_metric(mesh, "yinian:placements_total", outcome) == 2
+        log = (mesh.log_dir / "gateway.log").read_text()
         assert log.count("give the gateway --block-size 32") == 1, log[-2000:]

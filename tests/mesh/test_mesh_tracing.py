@@ -12,8 +12,9 @@ from bench.otlp_receiver import OtlpReceiver
 from yinian.mesh import Mesh, MeshSpec
 
 
-@pytest.fixture(scope="module")
-def traced_mesh(model_dir):
+@pytest.fixture(scope="module", params=["gateway", "scheduler"])
+def traced_mesh(model_dir, request):
+    """A mesh exporting its spans, with either placer (the gateway by default)."""
     receiver = OtlpReceiver().start()
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
@@ -26,9 +27,10 @@ def traced_mesh(model_dir):
         port=0,
         env=env,
         engine_argv=["--device", "cpu"],
+        gateway_argv=["--placement", request.param],
     )
     with Mesh(spec) as mesh:
-        yield mesh, receiver
+        yield mesh, receiver, request.param
     receiver.stop()
 
 
@@ -44,7 +46,7 @@ def wait_for(receiver, predicate, timeout=15.0):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_one_trace_per_request_across_processes(traced_mesh, stream):
-    mesh, receiver = traced_mesh
+    mesh, receiver, placer = traced_mesh
     ids = []
     for i in range(3):
         resp = httpx.post(
@@ -64,8 +66,12 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         else:
             ids.append(resp.json()["id"])
 
-    expected = {"gateway.request", "placement", "scheduler.place", "worker.stream",
-                "worker.generate", "queue", "prefill", "decode", "detokenize"}  # fmt: skip
+    expected = {"gateway.request", "placement", "worker.stream", "worker.generate", "queue",
+                "prefill", "decode", "detokenize"}  # fmt: skip
+    services = {"yinian-gateway", "yinian-colocated"}
+    if placer == "scheduler":  # a call to it
+        expected.add("scheduler.place")
+        services.add("yinian-scheduler")
 
     def complete(spans):
         # Each process exports its spans on its own schedule: wait for every one of them.
@@ -85,11 +91,7 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         by_id = {s.span_id: s for s in mine}
         names = {s.name for s in mine}
         assert expected <= names
-        assert {s.service for s in mine} == {
-            "yinian-gateway",
-            "yinian-scheduler",
-            "yinian-colocated",
-        }
+        assert {s.service for s in mine} == services
         roots = [s for s in mine if not s.parent_id]
         assert len(roots) == 1 and roots[0].service == "yinian-gateway"
         request = next(s for s in mine if s.name == "gateway.request")
@@ -103,7 +105,11 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
             return by_id[span.parent_id].name
 
         assert parent("placement") == "gateway.request"
-        assert parent("scheduler.place") == "placement"
+        placement = next(s for s in mine if s.name == "placement")
+        if placer == "scheduler":
+            assert parent("scheduler.place") == "placement"
+        else:
+            assert placement.attributes["yinian.placed_by"] == "gateway"
         assert parent("worker.stream") == "gateway.request"
         assert parent("worker.generate") == "worker.stream"
         assert {parent(n) for n in ("queue", "prefill", "decode")} == {"worker.generate"}

@@ -179,18 +179,53 @@ def test_a_workers_nats_login_speaks_only_for_that_worker(guarded_mesh):
     own = guarded_mesh.service_nats_urls["worker-0"]
     assert own != guarded_mesh.nats_url and "worker-0:" in own
     assert guarded_mesh.child("worker-0").env["YINIAN_NATS_URL"] == own
-    assert "YINIAN_NATS_URL" not in guarded_mesh.child("gateway").env  # it speaks no NATS
-    heard, errors = asyncio.run(_speak_for_others(guarded_mesh.nats_url, own))
+    heard, errors = asyncio.run(_publish_as(
+        guarded_mesh.nats_url, own,
+        # another worker's subject; only the scheduler asks a worker to register
+        refused=["yinian.load.worker-1", "yinian.register.worker-0"],
+        allowed="yinian.load.worker-0"))  # fmt: skip
     assert "yinian.load.worker-1" not in heard and "yinian.register.worker-0" not in heard
     assert "yinian.load.worker-0" in heard  # its own subject: heard
     assert len([e for e in errors if "permissions violation" in e.lower()]) == 2, errors
 
 
-async def _speak_for_others(operator_url: str, worker_url: str) -> tuple[list[str], list[str]]:
+def test_a_gateways_nats_login_reads_what_placing_needs_and_speaks_for_no_worker(guarded_mesh):
+    own = guarded_mesh.service_nats_urls["gateway"]
+    assert "gateway:" in own and guarded_mesh.child("gateway").env["YINIAN_NATS_URL"] == own
+    heard, errors = asyncio.run(_publish_as(
+        guarded_mesh.nats_url, own,
+        refused=["yinian.load.worker-0", "yinian.kv.worker-0", "yinian.register.worker-0"],
+        allowed="yinian.kvresync"))  # a gap in its KV index asks for a resync  # fmt: skip
+    assert [s for s in heard if s != "yinian.kvresync"] == [] and "yinian.kvresync" in heard
+    assert len([e for e in errors if "permissions violation" in e.lower()]) == 3, errors
+
+
+def _probe(subject: str, data: bytes | None = None):
+    """The probe's message on `subject`; with `data`: whether it is that message."""
+    if subject == "yinian.kvresync":  # for a holder nobody is
+        probe = common_pb2.KvResync(worker_id="nobody", reason="probe")
+    else:  # a load no worker reports
+        probe = common_pb2.LoadReport(worker_id=subject.rsplit(".", 1)[-1],
+                                      num_requests_running=4242)  # fmt: skip
+    if data is None:
+        return probe
+    heard = type(probe)()
+    try:
+        heard.ParseFromString(data)
+    except Exception:  # the mesh's own message of another type
+        return False
+    return heard == probe
+
+
+async def _publish_as(operator_url: str, url: str, refused: list[str], allowed: str):
+    """Publishes on each subject with `url`'s login (the allowed one last): what the
+    operator heard of them (the mesh's own messages on them left out), and the
+    server's errors."""
     heard, errors = [], []
 
     async def on_message(msg) -> None:
-        heard.append(msg.subject)
+        if msg.subject in (*refused, allowed) and _probe(msg.subject, msg.data):
+            heard.append(msg.subject)
 
     async def on_error(exc) -> None:
         errors.append(str(exc))
@@ -198,18 +233,15 @@ async def _speak_for_others(operator_url: str, worker_url: str) -> tuple[list[st
     listener = await nats.connect(operator_url, connect_timeout=5)
     await listener.subscribe("yinian.>", cb=on_message)
     await listener.flush()
-    worker = await nats.connect(worker_url, connect_timeout=5, error_cb=on_error)
-    report = common_pb2.LoadReport(worker_id="worker-1").SerializeToString()
-    await worker.publish("yinian.load.worker-1", report)  # another worker's subject
-    await worker.publish("yinian.register.worker-0", b"")  # only the scheduler asks that
-    await worker.publish("yinian.load.worker-0", common_pb2.LoadReport(worker_id="worker-0")
-                         .SerializeToString())  # fmt: skip
-    await worker.flush()
+    speaker = await nats.connect(url, connect_timeout=5, error_cb=on_error)
+    for subject in (*refused, allowed):
+        await speaker.publish(subject, _probe(subject).SerializeToString())
+    await speaker.flush()
     for _ in range(100):  # the server answers each refused publish with an error
-        if len(errors) >= 2 and "yinian.load.worker-0" in heard:
+        if len(errors) >= len(refused) and allowed in heard:
             break
         await asyncio.sleep(0.05)
-    await worker.close()
+    await speaker.close()
     await listener.close()
     return heard, errors
 

@@ -18,13 +18,11 @@ import pytest
 from prompts import random_prompts
 
 from engine import LLM, SamplingParams
-from services.common.processes import free_port
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import (
     default_tls,
     gateway_metric,
     list_workers,
-    scrape,
     wait_running,
     worker_metric,
 )
@@ -134,17 +132,16 @@ def test_a_dead_rank_moves_its_workers_streams(model_dir, reference):
 
 
 def test_a_prefill_worker_of_another_layout_is_never_paired(model_dir, reference):
-    metrics_port = free_port()
     spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=0, prefill=1, decode=1,
                     port=0,
                     engine_argv=CPU,
                     role_argv={"prefill": ["--tensor-parallel-size", "2"]},
-                    scheduler_argv=["--disagg-min-tokens", "16",
-                                    "--metrics-port", str(metrics_port)])  # fmt: skip
+                    scheduler_argv=["--disagg-min-tokens", "16"])  # fmt: skip
     with Mesh(spec) as mesh:
         prompts = random_prompts(500, (40, 90), seed=152)
         for prompt in prompts:  # long enough to be handed off, were the layouts equal
             assert complete(mesh, prompt) == expected(reference, prompt)
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        refused = scrape(url, "yinian:placements_total", 'outcome="prefill_layout_mismatch"')
+        # counted where they were placed: the gateway
+        refused = gateway_metric(mesh, "yinian:placements_total",
+                                 'outcome="prefill_layout_mismatch"')  # fmt: skip
         assert refused == len(prompts)

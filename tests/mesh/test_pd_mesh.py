@@ -120,19 +120,16 @@ def test_trace_shows_placement_prefill_transfer_and_decode(pd):
     names = {s.name: s for s in mine}
     assert {
         "placement",
-        "scheduler.place",
         "worker.generate",
         "prefill",
         "kv_transfer",
         "prefill.handoff",
         "decode",
     } <= set(names)
-    assert {s.service for s in mine} >= {
-        "yinian-gateway",
-        "yinian-scheduler",
-        "yinian-decode",
-        "yinian-prefill",
-    }
+    assert {s.service for s in mine} >= {"yinian-gateway", "yinian-decode", "yinian-prefill"}
+    # the gateway placed it (and paired the prefill worker): no call to the scheduler
+    assert names["placement"].attributes["yinian.placed_by"] == "gateway"
+    assert "yinian-scheduler" not in {s.service for s in mine}
     assert by_id[names["kv_transfer"].parent_id].name == "worker.generate"
     handoff = names["prefill.handoff"]
     assert by_id[handoff.parent_id].service == "yinian-decode"

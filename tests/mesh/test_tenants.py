@@ -27,7 +27,8 @@ LIMITS = {
     "alpha": {"requests_per_minute": 60, "burst": 4, "max_concurrent": 2},
     "shared": {"requests_per_minute": 1, "burst": 6},
 }
-LAST_SPANS = {"gateway.request", "scheduler.place", "worker.generate"}  # one per process
+# one per process a request crosses (the gateway places it: no call to the scheduler)
+LAST_SPANS = {"gateway.request", "worker.generate"}
 BODY = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
 

@@ -14,7 +14,7 @@ from basis.model_config import ModelConfig
 from bench.loadgen.traces import read_trace
 from engine.make_model import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel
-from services.scheduler.placement import PlacementPolicy
+from services.common.placement import PlacementPolicy
 from yinian.cli import main as yinian_main
 from yinian.sim.block_pool import BlockPool
 from yinian.sim.cluster import Cluster, SimConfig

@@ -19,7 +19,7 @@ from basis.model_config import ModelConfig
 from bench.loadgen.traces import BLOCK_TOKENS, make_trace, read_trace
 from engine.presets import preset_config
 from engine.step_time_model import DeviceProfile, ModelCosts, StepTimeModel, profile_names
-from services.scheduler.placement import PlacementPolicy
+from services.common.placement import PlacementPolicy
 from yinian.sim.cluster import PLACEMENTS, Cluster, SimConfig
 from yinian.sim.report import latencies, plot, summary
 from yinian.sim.worker import entries_of, sim_requests

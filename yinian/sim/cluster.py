@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import GPU, KvIndex
-from services.scheduler.placement import PlacementPolicy, place
-from services.scheduler.registry import Registry, WorkerState
+from services.common.placement import PlacementPolicy, place
+from services.common.registry import Registry, WorkerState
 from yinian.sim.worker import SimRequest, SimWorker
 
 PLACEMENTS = ("kv", "round-robin")

@@ -106,11 +106,33 @@ class WorkerStatus(_message.Message):
     kv_cache_usage: float
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., seconds_since_report: _Optional[float] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
+class PlacementSettings(_message.Message):
+    __slots__ = ("max_waiting", "request_tokens", "memory_tokens", "host_hit_weight", "shared_hit_weight", "retry_after_seconds", "disagg_min_tokens", "heartbeat_timeout_seconds")
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_HIT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_waiting: int
+    request_tokens: float
+    memory_tokens: float
+    host_hit_weight: float
+    shared_hit_weight: float
+    retry_after_seconds: float
+    disagg_min_tokens: int
+    heartbeat_timeout_seconds: float
+    def __init__(self, max_waiting: _Optional[int] = ..., request_tokens: _Optional[float] = ..., memory_tokens: _Optional[float] = ..., host_hit_weight: _Optional[float] = ..., shared_hit_weight: _Optional[float] = ..., retry_after_seconds: _Optional[float] = ..., disagg_min_tokens: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ...) -> None: ...
+
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "placement")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    placement: PlacementSettings
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., placement: _Optional[_Union[PlacementSettings, _Mapping]] = ...) -> None: ...
 
 class HoldersRequest(_message.Message):
     __slots__ = ("block_hashes",)

@@ -9,9 +9,9 @@ from prometheus_client import generate_latest
 from services.common import metrics
 from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import GPU, HOST, SHARED, SHARED_HOLDER, KvIndex
+from services.common.placement import PlacementPolicy, place
+from services.common.registry import Registry, WorkerState
 from services.scheduler.app import export_index
-from services.scheduler.placement import PlacementPolicy, place
-from services.scheduler.registry import Registry, WorkerState
 from yinian.mesh_probe import sample_sum
 
 H = list(range(100, 110))  # a prompt's 10 block hashes
@@ -223,7 +223,7 @@ def test_placement_follows_reports_registrations_and_silence_as_reading_every_wo
     chooses, and raises the same errors."""
     import random
 
-    from services.scheduler.placement import _best, _block_size, _loads, _open
+    from services.common.placement import _best, _block_size, _loads, _open
 
     rng = random.Random(seed)
     now = [0.0]
@@ -274,7 +274,7 @@ def test_placement_follows_reports_registrations_and_silence_as_reading_every_wo
 
 
 def test_the_open_workers_find_a_groups_least_loaded_in_load_order_or_say_to_read_it():
-    from services.scheduler.placement import _view
+    from services.common.placement import _view
 
     registry, index, policy = Registry(), KvIndex(), PlacementPolicy()
     for i in range(40):

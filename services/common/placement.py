@@ -21,7 +21,7 @@ from operator import or_
 
 from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import KvIndex
-from services.scheduler.registry import Registry, WorkerState
+from services.common.registry import Registry, WorkerState
 
 
 @dataclass(slots=True)

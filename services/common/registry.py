@@ -39,6 +39,25 @@ class WorkerState:
     def load(self) -> int:
         return self.running + self.waiting + self.pending
 
+    @classmethod
+    def from_info(cls, info) -> WorkerState:
+        """A worker as its WorkerInfo (what it registered with) describes it."""
+        return cls(
+            worker_id=info.worker_id,
+            address=info.address,
+            role=info.role or "colocated",
+            block_size=info.block_size or 16,
+            max_num_seqs=info.max_num_seqs or 256,
+            kv_blocks_total=info.kv_blocks_total,
+            host=info.host,
+            transports=list(info.transports),
+            metrics_address=info.metrics_address,
+            model=info.model,
+            kv_layout=info.kv_layout,
+            parallel=info.tensor_parallel_size * info.pipeline_parallel_size > 1,
+            info=info,
+        )
+
 
 class Registry:
     def __init__(self, heartbeat_timeout: float = 2.0, clock=time.monotonic):

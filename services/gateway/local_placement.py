@@ -1,0 +1,189 @@
+"""Placement in the gateway: the scheduler's policy (services/common/placement.py)
+run here, over a registry and a KV index this gateway keeps itself, so that a
+request waits on no hop before its worker's.
+
+- Who is registered, and the scheduler's placement settings (its flags): the
+  scheduler's ListWorkers, read every `interval` seconds.
+- Load (each report is also a heartbeat) and what each worker and the shared
+  tier cache: the same NATS events the scheduler hears (PlacementFeed).
+
+Until the first list and the NATS connection are in, while NATS is away (no
+heartbeat can arrive: every worker would look dead), and when no worker here is
+ready (the list may be behind a worker that just registered), the scheduler
+places the request, as it does for a gateway without NATS. Requests placed here
+count on their worker until its next load report, as the scheduler counts its
+own; two gateways do not see each other's until then."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from opentelemetry import trace
+
+from proto.yinian.v1 import common_pb2
+from services.common import metrics
+from services.common.bus import KV_RESYNC_SUBJECT, EventBus
+from services.common.errors import WorkerUnavailable
+from services.common.kv_index import SHARED_HOLDER, KvIndex
+from services.common.placement import PlacementPolicy, place
+from services.common.placement_feed import PlacementFeed
+from services.common.placement_outcomes import Outcomes, answer
+from services.common.registry import Registry, WorkerState
+
+logger = logging.getLogger(__name__)
+
+
+class _Feed(PlacementFeed):
+    """Also sets `unknown` when a worker reports that the registry here does not know."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.unknown = asyncio.Event()
+
+    async def on_load(self, report, headers) -> bool:
+        known = await super().on_load(report, headers)
+        if not known:
+            self.unknown.set()
+        return known
+
+
+def policy_of(settings) -> PlacementPolicy:
+    """The PlacementPolicy a ListWorkersResponse's PlacementSettings describe."""
+    return PlacementPolicy(
+        max_waiting=settings.max_waiting if settings.HasField("max_waiting") else None,
+        request_tokens=settings.request_tokens,
+        memory_tokens=settings.memory_tokens,
+        host_hit_weight=settings.host_hit_weight,
+        shared_hit_weight=settings.shared_hit_weight,
+        retry_after=settings.retry_after_seconds,
+        disagg_min_tokens=settings.disagg_min_tokens,
+    )
+
+
+class LocalPlacement:
+    """A placer with the scheduler client's `place` (SchedulerClient.place)."""
+
+    def __init__(self, scheduler, bus: EventBus, interval: float = 1.0, warm_up: float = 10.0):
+        self.scheduler, self.bus, self.interval = scheduler, bus, interval
+        self.warm_until = time.monotonic() + warm_up
+        self.registry = Registry()
+        self.index = KvIndex()
+        self.policy: PlacementPolicy | None = None  # none until the first list
+        self.feed = _Feed(self.registry, self.index, bus, metrics.GATEWAY_KV_INDEX_GAPS)
+        self.outcomes = Outcomes(metrics.GATEWAY_PLACEMENTS, metrics.GATEWAY_PLACED_PREFIX_BLOCKS)
+        self._task: asyncio.Task | None = None
+        self._listening = False
+
+    @property
+    def ready(self) -> bool:
+        """Places here (else the scheduler does)."""
+        return self.policy is not None and self.bus.connected
+
+    @property
+    def warming(self) -> bool:
+        """Not ready yet, nor has it a ready worker, in its first `warm_up` seconds:
+        the gateway is not ready either (so that what it serves first is placed here,
+        as the rest will be; after them the scheduler places until it is)."""
+        if self.warm_until is None:
+            return False
+        if (self.ready and self.registry.ready()) or time.monotonic() > self.warm_until:
+            self.warm_until = None
+        return self.warm_until is not None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if not self._listening:  # once: the client reconnects by itself
+                    if self.bus.nc is None:
+                        await self.bus.connect()
+                    await self.feed.listen()
+                    self._listening = True
+                    await self._resync(SHARED_HOLDER)  # what the shared tier holds
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS or the scheduler away: the scheduler places
+                logger.warning("placing in the gateway waits: %s", exc)
+            # often until it knows a ready worker (the first ones register as it starts);
+            # at once when a worker it does not know reports (it just registered)
+            wait = self.interval if self.registry.ready() else self.interval / 10
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.feed.unknown.wait(), wait)
+            self.feed.unknown.clear()
+
+    async def refresh(self):
+        """Reads the scheduler's list of workers and settings, and returns it (raises
+        grpc.RpcError when the scheduler is away)."""
+        listing = await self.scheduler.list_workers()
+        for worker_id in self.apply(listing):
+            # its KV events so far went by unheard: a snapshot of what it caches
+            await self._resync(worker_id)
+        return listing
+
+    async def _resync(self, holder: str) -> None:
+        await self.bus.publish(
+            KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=holder, reason="a gateway listens")
+        )
+
+    def apply(self, listing) -> list[str]:
+        """Takes in a ListWorkersResponse: the settings, who is registered (a worker
+        listed anew, or with other info, is registered here; one no longer listed is
+        dropped), and who missed its heartbeats. Returns the workers registered anew."""
+        registry = self.registry
+        settings = listing.placement
+        self.policy = policy_of(settings)
+        registry.heartbeat_timeout = settings.heartbeat_timeout_seconds or 2.0
+        now = registry.clock()
+        listed, new = set(), []
+        for status in listing.workers:
+            info = status.info
+            listed.add(info.worker_id)
+            known = registry.workers.get(info.worker_id)
+            if known is not None and known.info == info:
+                continue
+            if registry.register(WorkerState.from_info(info)):
+                self.index.forget(info.worker_id)  # registered again: a restart
+            new.append(info.worker_id)
+            registry.on_load(info.worker_id, status.num_requests_running,
+                             status.num_requests_waiting, status.kv_cache_usage)  # fmt: skip
+            registry.workers[info.worker_id].last_seen = now - status.seconds_since_report
+        for worker_id in [w for w in registry.workers if w not in listed]:
+            registry.deregister(worker_id)
+            self.index.forget(worker_id)
+        for gone in registry.expire():
+            self.index.forget(gone.worker_id)
+        return new
+
+    async def place(self, request_id, prompt_tokens, block_hashes, tenant, exclude,
+                    block_size: int = 0):  # fmt: skip
+        span = trace.get_current_span()
+        if self.ready:
+            try:
+                decision = place(self.registry, self.index, self.policy, block_hashes,
+                                 prompt_tokens, exclude=set(exclude))  # fmt: skip
+            except WorkerUnavailable:  # none ready here: the list may be behind
+                pass
+            except Exception as exc:
+                self.outcomes.failed(exc)
+                raise
+            else:
+                self.outcomes.placed(decision, block_size)
+                span.set_attribute("yinian.placed_by", "gateway")
+                return answer(decision)
+        span.set_attribute("yinian.placed_by", "scheduler")
+        return await self.scheduler.place(
+            request_id, prompt_tokens, block_hashes, tenant, exclude, block_size
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.bus.close()
