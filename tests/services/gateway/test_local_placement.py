@@ -1,0 +1,113 @@
+"""The gateway's own placer (services/gateway/local_placement.py): it follows the
+scheduler's list of workers and settings, hears the KV events and load reports on
+a real NATS, places by the scheduler's policy without a call, asks each worker it
+lists anew for a KV snapshot, and leaves a request to the scheduler while it
+cannot place it itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from basis.block_hash import hash_prompt_blocks
+from proto.yinian.v1 import common_pb2, scheduler_pb2
+from services.common.bus import KV_RESYNC_SUBJECT, EventBus
+from services.common.errors import Saturated, WorkerUnavailable
+from services.common.kv_index import GPU
+from services.common.processes import start_nats, stop_process
+from services.gateway.clients import SchedulerClient
+from services.gateway.local_placement import LocalPlacement
+
+PROMPT = list(range(1, 97))  # six blocks of 16
+HASHES = hash_prompt_blocks(PROMPT, 16, "")
+
+
+def status(worker_id: str, address: str, running: int = 0, max_num_seqs: int = 4):
+    info = scheduler_pb2.WorkerInfo(worker_id=worker_id, address=address, role="colocated",
+                                    block_size=16, max_num_seqs=max_num_seqs)  # fmt: skip
+    return scheduler_pb2.WorkerStatus(info=info, ready=True, seconds_since_report=0.1,
+                                      num_requests_running=running)  # fmt: skip
+
+
+def listing(*workers, **settings) -> scheduler_pb2.ListWorkersResponse:
+    placement = scheduler_pb2.PlacementSettings(
+        request_tokens=64, memory_tokens=2048, host_hit_weight=0.1, shared_hit_weight=0.3,
+        retry_after_seconds=2.5, disagg_min_tokens=512, heartbeat_timeout_seconds=3.0,
+    )  # fmt: skip
+    for key, value in settings.items():
+        setattr(placement, key, value)
+    return scheduler_pb2.ListWorkersResponse(workers=workers, placement=placement)
+
+
+@pytest.fixture
+def nats_url():
+    proc, url = start_nats()
+    yield url
+    stop_process(proc)
+
+
+def test_it_follows_the_schedulers_list_and_settings():
+    # nothing here connects: apply() is the list's effect alone
+    placer = LocalPlacement(SchedulerClient("127.0.0.1:9"), EventBus("nats://127.0.0.1:9", "t"))
+    first = listing(status("w-a", "a:1"), status("w-b", "b:1"), max_waiting=3)
+    assert placer.apply(first) == ["w-a", "w-b"]  # each is then asked for a KV snapshot
+    assert placer.policy.max_waiting == 3 and placer.policy.retry_after == 2.5
+    assert placer.registry.heartbeat_timeout == 3.0
+    assert {w.worker_id for w in placer.registry.ready()} == {"w-a", "w-b"}
+    placer.index.apply("w-a", 1, {GPU: (HASHES, [])}, reset=True)
+    placer.index.apply("w-b", 1, {GPU: (HASHES, [])}, reset=True)
+    assert placer.apply(first) == []  # nothing new
+    assert placer.policy.max_waiting == 3
+
+    # w-a registered again (at another address: a restart), w-b is gone
+    again = listing(status("w-a", "a:2"))
+    assert placer.apply(again) == ["w-a"]
+    assert placer.policy.max_waiting is None  # unset: each worker's max_num_seqs
+    assert list(placer.registry.workers) == ["w-a"]
+    assert placer.registry.workers["w-a"].address == "a:2"
+    assert placer.index.sizes() == {}  # neither one's old cache is believed
+
+
+def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url):
+    async def main():
+        # a scheduler nobody serves: any call to it would fail
+        placer = LocalPlacement(SchedulerClient("127.0.0.1:9", timeout=0.5),
+                                EventBus(nats_url, "gateway"))  # fmt: skip
+        listener = EventBus(nats_url, "listener")
+        await listener.connect()
+        asked = []
+        await listener.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync,
+                                 lambda m, _h: asked.append(m.worker_id))  # fmt: skip
+        await placer.bus.connect()
+        await placer.feed.listen()
+        for worker_id in placer.apply(listing(status("w-a", "a:1"), status("w-b", "b:1"))):
+            await placer._resync(worker_id)
+        # w-b's snapshot, as it answers the resync: the prompt is in its GPU tier
+        await listener.publish("yinian.kv.w-b", common_pb2.KvEvents(
+            worker_id="w-b", event_id=1, reset=True, stored=HASHES))  # fmt: skip
+        for _ in range(100):
+            if placer.index.sizes() and len(asked) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(asked) == ["w-a", "w-b"]  # each listed anew asked for its snapshot
+        placed = await placer.place("r1", len(PROMPT), HASHES, "", [], 16)
+        assert (placed.worker_id, placed.address, placed.matched_blocks) == ("w-b", "b:1", 6)
+        # a retry elsewhere after w-b failed
+        other = await placer.place("r1", len(PROMPT), HASHES, "", ["w-b"], 16)
+        assert (other.worker_id, other.matched_blocks) == ("w-a", 0)
+        # every worker full (running max_num_seqs, queueing as many): 429, decided here
+        full = listing(status("w-c", "c:1", running=8))
+        placer.apply(full)
+        with pytest.raises(Saturated) as saturated:
+            await placer.place("r2", len(PROMPT), HASHES, "", [], 16)
+        assert saturated.value.retry_after == 2.5
+        # NATS away (no heartbeat can arrive): the scheduler places, and here it is away
+        await placer.bus.close()
+        with pytest.raises(WorkerUnavailable, match="scheduler unreachable"):
+            await placer.place("r3", len(PROMPT), HASHES, "", [], 16)
+        await listener.close()
+        await placer.close()
+        await placer.scheduler.close()
+
+    asyncio.run(main())
