@@ -20,7 +20,12 @@ class PlacementFeed:
         self.registry, self.index, self.bus, self.gaps = registry, index, bus, gaps
 
     async def on_load(self, report: common_pb2.LoadReport, headers) -> bool:
-        """Applies a load report; False when its worker is not registered here."""
+        """Applies a load report; False when its worker is not registered here. A
+        draining worker leaves placement at once (True: it is not to come back)."""
+        if report.draining:
+            if self.registry.deregister(report.worker_id):
+                self.index.forget(report.worker_id)
+            return True
         return self.registry.on_load(
             report.worker_id,
             report.num_requests_running,

@@ -34,6 +34,7 @@ from services.common.placement_outcomes import Outcomes, answer
 from services.common.registry import Registry, WorkerState
 
 logger = logging.getLogger(__name__)
+UNLISTED_GRACE = 10.0  # seconds a worker still reporting stays once the list leaves it out
 
 
 class _Feed(PlacementFeed):
@@ -45,7 +46,7 @@ class _Feed(PlacementFeed):
 
     async def on_load(self, report, headers) -> bool:
         known = await super().on_load(report, headers)
-        if not known:
+        if not known:  # (a draining worker counts as known: it is not to come back)
             self.unknown.set()
         return known
 
@@ -76,6 +77,7 @@ class LocalPlacement:
         self.outcomes = Outcomes(metrics.GATEWAY_PLACEMENTS, metrics.GATEWAY_PLACED_PREFIX_BLOCKS)
         self._task: asyncio.Task | None = None
         self._listening = False
+        self._unlisted: dict[str, float] = {}  # worker id -> when a list first left it out
 
     @property
     def ready(self) -> bool:
@@ -133,8 +135,11 @@ class LocalPlacement:
 
     def apply(self, listing) -> list[str]:
         """Takes in a ListWorkersResponse: the settings, who is registered (a worker
-        listed anew, or with other info, is registered here; one no longer listed is
-        dropped), and who missed its heartbeats. Returns the workers registered anew."""
+        listed anew, or with other info, is registered here), and who missed its
+        heartbeats. A worker no longer listed leaves once its reports stop too, or
+        after `UNLISTED_GRACE` seconds (a scheduler that just restarted lists nobody
+        until the workers it hears from register again; a draining worker says so in
+        its reports and leaves at once). Returns the workers registered anew."""
         registry = self.registry
         settings = listing.placement
         self.policy = policy_of(settings)
@@ -153,9 +158,17 @@ class LocalPlacement:
             registry.on_load(info.worker_id, status.num_requests_running,
                              status.num_requests_waiting, status.kv_cache_usage)  # fmt: skip
             registry.workers[info.worker_id].last_seen = now - status.seconds_since_report
-        for worker_id in [w for w in registry.workers if w not in listed]:
-            registry.deregister(worker_id)
-            self.index.forget(worker_id)
+        unlisted = self._unlisted
+        for worker_id in listed:
+            unlisted.pop(worker_id, None)
+        for worker_id, state in list(registry.workers.items()):
+            if worker_id in listed:
+                continue
+            since = unlisted.setdefault(worker_id, now)
+            if not registry.is_ready(state) or now - since > UNLISTED_GRACE:
+                registry.deregister(worker_id)
+                self.index.forget(worker_id)
+                del unlisted[worker_id]
         for gone in registry.expire():
             self.index.forget(gone.worker_id)
         return new
@@ -175,7 +188,9 @@ class LocalPlacement:
             else:
                 self.outcomes.placed(decision, block_size)
                 span.set_attribute("yinian.placed_by", "gateway")
-                return answer(decision)
+                placement = answer(decision)
+                self.scheduler.recent.add(placement)  # where to go were both away
+                return placement
         span.set_attribute("yinian.placed_by", "scheduler")
         return await self.scheduler.place(
             request_id, prompt_tokens, block_hashes, tenant, exclude, block_size

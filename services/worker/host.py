@@ -71,6 +71,7 @@ def _exit_now(reason: str) -> None:
 class WorkerHost:
     def __init__(self, config: WorkerSettings, service_name: str):
         self.config = config
+        self.draining = False  # SIGTERM came: out of placement, finishing its streams
         setup_tracing(service_name)
         options = dict(config.engine_options)
         if config.kvstore and config.kv_write_through in ("prefix", "all"):
@@ -177,6 +178,8 @@ class WorkerHost:
             loop.add_signal_handler(sig, signals.put_nowait, sig)
         await signals.get()
         await self.server.serving(False)
+        self.draining = True  # said in its load reports from now on, this one first
+        await bus.publish(load_subject(config.worker_id), self._load_report())
         await registration.withdraw()
         await self._drain(signals)
         await registration.close()
@@ -241,8 +244,13 @@ class WorkerHost:
             for kind, count in cache["host_blocks"].items():
                 metrics.HOST_KV_BLOCKS.labels(kind=kind, **labels).set(count)
             self._report_steps(labels)
-            await bus.publish(load_subject(self.config.worker_id), load_report(load))
+            await bus.publish(load_subject(self.config.worker_id), self._load_report(load))
             await asyncio.sleep(self.config.load_interval)
+
+    def _load_report(self, load: dict | None = None) -> common_pb2.LoadReport:
+        report = load_report(self.reports.load() if load is None else load)
+        report.draining = self.draining
+        return report
 
     def _report_steps(self, labels: dict) -> None:
         steps = self.reports.step_stats()

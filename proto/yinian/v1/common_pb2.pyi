@@ -110,7 +110,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "kv_blocks_total", "kv_blocks_free", "tokens_in_flight", "timestamp")
+    __slots__ = ("worker_id", "num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "kv_blocks_total", "kv_blocks_free", "tokens_in_flight", "timestamp", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class LoadReport(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_requests_running: int
     num_requests_waiting: int
@@ -129,7 +130,8 @@ class LoadReport(_message.Message):
     kv_blocks_free: int
     tokens_in_flight: int
     timestamp: float
-    def __init__(self, worker_id: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., timestamp: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("worker_id", "event_id", "stored", "removed", "reset", "host_stored", "host_removed")

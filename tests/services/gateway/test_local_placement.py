@@ -13,7 +13,7 @@ import pytest
 from basis.block_hash import hash_prompt_blocks
 from proto.yinian.v1 import common_pb2, scheduler_pb2
 from services.common.bus import KV_RESYNC_SUBJECT, EventBus
-from services.common.errors import Saturated, WorkerUnavailable
+from services.common.errors import Saturated
 from services.common.kv_index import GPU
 from services.common.processes import start_nats, stop_process
 from services.gateway.clients import SchedulerClient
@@ -60,16 +60,21 @@ def test_it_follows_the_schedulers_list_and_settings():
     assert placer.apply(first) == []  # nothing new
     assert placer.policy.max_waiting == 3
 
-    # w-a registered again (at another address: a restart), w-b is gone
+    # w-a registered again (at another address: a restart); w-b left out of the list
     again = listing(status("w-a", "a:2"))
     assert placer.apply(again) == ["w-a"]
     assert placer.policy.max_waiting is None  # unset: each worker's max_num_seqs
-    assert list(placer.registry.workers) == ["w-a"]
     assert placer.registry.workers["w-a"].address == "a:2"
-    assert placer.index.sizes() == {}  # neither one's old cache is believed
+    assert placer.index.sizes() == {("w-b", GPU): 6}  # w-a's old cache is not believed
+    # w-b still reports: kept (a scheduler that just restarted lists nobody at first) ...
+    assert set(placer.registry.workers) == {"w-a", "w-b"}
+    # ... until its reports stop too
+    placer.registry.workers["w-b"].last_seen -= 5.0
+    placer.apply(again)
+    assert list(placer.registry.workers) == ["w-a"] and placer.index.sizes() == {}
 
 
-def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url):
+def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
     async def main():
         # a scheduler nobody serves: any call to it would fail
         placer = LocalPlacement(SchedulerClient("127.0.0.1:9", timeout=0.5),
@@ -96,16 +101,33 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url):
         # a retry elsewhere after w-b failed
         other = await placer.place("r1", len(PROMPT), HASHES, "", ["w-b"], 16)
         assert (other.worker_id, other.matched_blocks) == ("w-a", 0)
-        # every worker full (running max_num_seqs, queueing as many): 429, decided here
-        full = listing(status("w-c", "c:1", running=8))
-        placer.apply(full)
+        # every worker full (running max_num_seqs, queueing as many), as their load
+        # reports say: 429, decided here
+        for worker_id in ("w-a", "w-b"):
+            await listener.publish(f"yinian.load.{worker_id}", common_pb2.LoadReport(
+                worker_id=worker_id, num_requests_running=8))  # fmt: skip
+        for _ in range(100):
+            if all(w.running == 8 for w in placer.registry.workers.values()):
+                break
+            await asyncio.sleep(0.02)
         with pytest.raises(Saturated) as saturated:
             await placer.place("r2", len(PROMPT), HASHES, "", [], 16)
         assert saturated.value.retry_after == 2.5
-        # NATS away (no heartbeat can arrive): the scheduler places, and here it is away
+        # w-b has room again; w-a drains and says so in its load report: it leaves at once
+        await listener.publish("yinian.load.w-b", common_pb2.LoadReport(worker_id="w-b"))
+        await listener.publish("yinian.load.w-a", common_pb2.LoadReport(
+            worker_id="w-a", draining=True))  # fmt: skip
+        for _ in range(100):
+            if "w-a" not in placer.registry.workers and placer.registry.workers["w-b"].load == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert list(placer.registry.workers) == ["w-b"]
+        # NATS away (no heartbeat can arrive): the scheduler places; it is away too, so
+        # the request goes where recent ones went (those placed here count)
         await placer.bus.close()
-        with pytest.raises(WorkerUnavailable, match="scheduler unreachable"):
-            await placer.place("r3", len(PROMPT), HASHES, "", [], 16)
+        fallback = await placer.place("r3", len(PROMPT), HASHES, "", [], 16)
+        assert fallback.worker_id in ("w-a", "w-b") and fallback.matched_blocks == 0
+        assert "scheduler unreachable" in caplog.text and "r3 placed as a recent" in caplog.text
         await listener.close()
         await placer.close()
         await placer.scheduler.close()
