@@ -48,6 +48,10 @@ def nats_url():
 
 
 def test_it_follows_the_schedulers_list_and_settings():
+    asyncio.run(follows())
+
+
+async def follows():
     # nothing here connects: apply() is the list's effect alone
     placer = LocalPlacement(SchedulerClient("127.0.0.1:9"), EventBus("nats://127.0.0.1:9", "t"))
     first = listing(status("w-a", "a:1"), status("w-b", "b:1"), max_waiting=3)
@@ -72,6 +76,7 @@ def test_it_follows_the_schedulers_list_and_settings():
     placer.registry.workers["w-b"].last_seen -= 5.0
     placer.apply(again)
     assert list(placer.registry.workers) == ["w-a"] and placer.index.sizes() == {}
+    await placer.scheduler.close()
 
 
 def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
