@@ -117,6 +117,11 @@ class SchedulerClient:
         self.recent.add(placement)
         return placement
 
+    def hash_block_size(self, default: int) -> int:
+        """The blocks to hash a prompt in (the gateway's --block-size: the workers' own
+        are not known here)."""
+        return default
+
     async def list_workers(self, timeout: float = 1.0) -> scheduler_pb2.ListWorkersResponse:
         """The scheduler's workers and placement settings (grpc.RpcError when it is away)."""
         return await self.stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout)

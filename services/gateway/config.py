@@ -53,7 +53,11 @@ class GatewayConfig(TlsSettings):
     max_model_len: int | None = setting(
         None, "context length served (default: the model's max_position_embeddings)"
     )
-    block_size: int = setting(16, "the workers' KV block size (for prefix-aware placement)")
+    block_size: int = setting(
+        16,
+        "the workers' KV block size, for prefix-aware placement (a gateway placing requests "
+        "itself hashes in the workers' own when they all share one)",
+    )
     request_timeout: float = setting(600.0, "seconds a request may take end to end")
     idle_timeout: float = setting(
         120.0, "seconds a worker may stay silent (before a request's first token or between two)"

@@ -120,16 +120,15 @@ class Frontend:
         params = prep.params
         stats.prompt_tokens = len(prep.prompt_ids)
         choices = [_Choice(self.tokenizer, params) for _ in range(params.n)]
-        hashes = hash_prompt_blocks(
-            prep.prompt_ids, self.block_size, prep.tenant, prep.public_tokens
-        )
+        block_size = self.placer.hash_block_size(self.block_size)
+        hashes = hash_prompt_blocks(prep.prompt_ids, block_size, prep.tenant, prep.public_tokens)
         excluded: list[str] = []
         failures_before_output = 0
         while True:
             with _tracer.start_as_current_span("placement", kind=trace.SpanKind.CLIENT) as span:
                 placement = await self.placer.place(
                     prep.request_id, len(prep.prompt_ids), hashes, prep.tenant, excluded,
-                    self.block_size,
+                    block_size,
                 )  # fmt: skip
                 span.set_attribute("yinian.worker_id", placement.worker_id)
                 span.set_attribute("yinian.matched_blocks", placement.matched_blocks)

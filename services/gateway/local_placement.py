@@ -78,6 +78,7 @@ class LocalPlacement:
         self._task: asyncio.Task | None = None
         self._listening = False
         self._unlisted: dict[str, float] = {}  # worker id -> when a list first left it out
+        self._block_size: int | None = None  # the one the listed workers share, if they do
 
     @property
     def ready(self) -> bool:
@@ -171,7 +172,14 @@ class LocalPlacement:
                 del unlisted[worker_id]
         for gone in registry.expire():
             self.index.forget(gone.worker_id)
+        sizes = {w.block_size for w in registry.workers.values()}
+        self._block_size = sizes.pop() if len(sizes) == 1 else None
         return new
+
+    def hash_block_size(self, default: int) -> int:
+        """The blocks to hash a prompt in: the workers' own when they all share one
+        (no gateway flag to keep in step with theirs), else `default`."""
+        return self._block_size or default
 
     async def place(self, request_id, prompt_tokens, block_hashes, tenant, exclude,
                     block_size: int = 0):  # fmt: skip

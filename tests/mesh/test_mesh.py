@@ -26,7 +26,9 @@ from yinian.mesh_probe import (
     gateway_metric,
     index_sizes,
     list_workers,
+    scheduler_metric,
     wait_held,
+    wait_indexed,
     worker_metric,
 )
 
@@ -372,18 +374,30 @@ def running_requests(mesh) -> dict[str, int]:
     }
 
 
-def test_a_gateway_hashing_other_blocks_than_the_workers_is_told(model_dir):
-    # gateway --block-size 16 (its default), workers caching blocks of 32: no prefix
-    # can ever match, so prefix-aware placement is off; the placer (the gateway) counts
-    # each such placement and says once, in its log, what to set. The request is served.
+@pytest.mark.parametrize("placement", ["gateway", "scheduler"])
+def test_the_workers_block_size_is_the_gateways_or_it_is_told(model_dir, placement):
+    # workers caching blocks of 32, the gateway's --block-size 16 (its default). A gateway
+    # placing requests itself hashes prompts in the workers' 32 (it lists them): their
+    # prefixes match. One asking the scheduler hashes in 16: no prefix can ever match, so
+    # prefix-aware placement is off; the scheduler counts each such placement and says
+    # once, in its log, what to set. Either way the requests are served.
     engine = ["--device", "cpu", "--dtype", "float32", "--block-size", "32"]
-    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=1, port=0, engine_argv=engine)
+    spec = MeshSpec(model=str(model_dir("tiny-llama")), workers=1, port=0, engine_argv=engine,
+                    gateway_argv=["--placement", placement])  # fmt: skip
     with Mesh(spec) as mesh:
+        prompt = "blocks " * 80  # two blocks of 32 at least
         for i in range(2):
             r = httpx.post(f"{mesh.url}/v1/completions", timeout=60, json={
-                "model": "tiny-llama", "prompt": f"blocks {i} " * 20, "max_tokens": 2})  # fmt: skip
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 2})  # fmt: skip
             assert r.status_code == 200, r.text
+            if i == 0:  # the first one's blocks are known (the scheduler's index)
+                assert wait_indexed(mesh, 2)
         outcome = 'outcome="block_size_mismatch"'
-        assert gateway_metric(mesh, "yinian:placements_total", outcome) == 2
-        log = (mesh.log_dir / "gateway.log").read_text()
+        if placement == "gateway":
+            assert gateway_metric(mesh, "yinian:placements_total", outcome) == 0
+            # the second found the first's prefix where it placed it
+            assert gateway_metric(mesh, "yinian:placed_prefix_blocks_total", "chosen") >= 2
+            return
+        assert scheduler_metric(mesh, "yinian:placements_total", outcome) == 2
+        log = (mesh.log_dir / "scheduler.log").read_text()
         assert log.count("give the gateway --block-size 32") == 1, log[-2000:]

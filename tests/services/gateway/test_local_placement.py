@@ -59,6 +59,7 @@ async def follows():
     assert placer.policy.max_waiting == 3 and placer.policy.retry_after == 2.5
     assert placer.registry.heartbeat_timeout == 3.0
     assert {w.worker_id for w in placer.registry.ready()} == {"w-a", "w-b"}
+    assert placer.hash_block_size(8) == 16  # the workers' own: prompts hash as they cache
     placer.index.apply("w-a", 1, {GPU: (HASHES, [])}, reset=True)
     placer.index.apply("w-b", 1, {GPU: (HASHES, [])}, reset=True)
     assert placer.apply(first) == []  # nothing new
@@ -76,6 +77,10 @@ async def follows():
     placer.registry.workers["w-b"].last_seen -= 5.0
     placer.apply(again)
     assert list(placer.registry.workers) == ["w-a"] and placer.index.sizes() == {}
+    odd = status("w-c", "c:1")
+    odd.info.block_size = 32
+    placer.apply(listing(status("w-a", "a:2"), odd))
+    assert placer.hash_block_size(8) == 8  # no one size: the gateway's flag
     await placer.scheduler.close()
 
 
