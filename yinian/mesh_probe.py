@@ -97,14 +97,18 @@ def scheduler_metric(mesh, name: str, where: str = "") -> float:
 
 def index_sizes(mesh, tier: str = "gpu") -> dict[str, float]:
     """holder -> how many blocks the scheduler's KV index knows it has in `tier`."""
-    text = http_get(mesh.metrics_endpoints()["scheduler"]).text
-    return {
-        sample.labels["holder"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "yinian:kv_index_blocks"
-        for sample in family.samples
-        if sample.labels.get("tier") == tier
-    }
+    return _index_sizes(http_get(mesh.metrics_endpoints()["scheduler"]).text, tier) or {}
+
+
+def _index_sizes(text: str, tier: str) -> dict[str, float] | None:
+    """holder -> `yinian:kv_index_blocks` in `tier`, of a /metrics page (None: the page
+    has no such metric)."""
+    families = [f for f in text_string_to_metric_families(text)
+                if f.name == "yinian:kv_index_blocks"]  # fmt: skip
+    if not families:
+        return None
+    return {sample.labels["holder"]: sample.value
+            for sample in families[0].samples if sample.labels.get("tier") == tier}  # fmt: skip
 
 
 def wait_indexed(
@@ -149,7 +153,28 @@ def wait_held(mesh, block_hashes: list[int], timeout: float = 15.0) -> str | Non
             return None
         return min(set.intersection(*held), default=None)
 
-    return _poll(holder, timeout)
+    found = _poll(holder, timeout)
+    if found is not None:
+        wait_placers_caught_up(mesh, found, timeout)
+    return found
+
+
+def wait_placers_caught_up(mesh, holder: str, timeout: float = 15.0) -> bool:
+    """Waits until every gateway that places requests itself knows at least as many
+    of `holder`'s GPU blocks as the scheduler's index now does (they hear the same KV
+    events, each in its own time); True once they do (at once for gateways that ask
+    the scheduler: they export no index)."""
+    want = index_sizes(mesh).get(holder, 0)
+
+    def caught_up() -> bool | None:
+        for url in mesh.urls:
+            text = http_get(f"{url}/metrics", mesh.ssl_context() or True).text
+            sizes = _index_sizes(text, "gpu")
+            if sizes is not None and sizes.get(holder, 0) < want:
+                return None
+        return True
+
+    return bool(_poll(caught_up, timeout))
 
 
 def _poll(check, timeout: float):

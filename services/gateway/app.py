@@ -14,6 +14,7 @@ import grpc
 import uvicorn
 
 from proto.yinian.v1 import inference_pb2_grpc
+from services.common import metrics
 from services.common.bus import EventBus
 from services.common.grpc_server import GrpcServer
 from services.common.processes import listen_socket
@@ -73,6 +74,7 @@ async def run(config: GatewayConfig) -> None:
     placer = scheduler
     if config.places_itself:
         placer = LocalPlacement(scheduler, EventBus(config.nats_url, "gateway"))
+        metrics.GATEWAY.register(placer)  # its KV index's size, as the scheduler's
         await placer.start()
     workers = WorkerPool(tls, links=config.worker_links)
     core = GatewayCore(

@@ -22,6 +22,7 @@ import logging
 import time
 
 from opentelemetry import trace
+from prometheus_client.core import GaugeMetricFamily
 
 from proto.yinian.v1 import common_pb2
 from services.common import metrics
@@ -175,6 +176,19 @@ class LocalPlacement:
         sizes = {w.block_size for w in registry.workers.values()}
         self._block_size = sizes.pop() if len(sizes) == 1 else None
         return new
+
+    def collect(self):
+        """`yinian:kv_index_blocks` of this placer's index, read when scraped (a
+        prometheus_client collector: `metrics.GATEWAY.register(placer)`)."""
+        family = GaugeMetricFamily(
+            "yinian:kv_index_blocks",
+            "Blocks the gateway's KV index knows, by holder (a worker, or the shared tier) "
+            "and tier",
+            labels=["holder", "tier"],
+        )
+        for (holder, tier), count in self.index.sizes().items():
+            family.add_metric([holder, tier], count)
+        yield family
 
     def hash_block_size(self, default: int) -> int:
         """The blocks to hash a prompt in: the workers' own when they all share one
