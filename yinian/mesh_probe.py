@@ -117,9 +117,10 @@ def wait_indexed(
 ) -> str | None:  # fmt: skip
     """Waits until one holder (of `among`, if given) has `blocks` more in `tier` of the
     scheduler's KV index than `before` (an earlier `index_sizes`) said, i.e. until the
-    KV events of the request that stored them have reached it; returns that holder
-    (None if the time ran out). One holder's count, so that a late batch of another's
-    is not taken for this request's."""
+    KV events of the request that stored them have reached it, and the gateways that
+    place requests themselves know as much (`wait_placers_caught_up`); returns that
+    holder (None if the time ran out). One holder's count, so that a late batch of
+    another's is not taken for this request's."""
     before = before or {}
 
     def grown() -> str | None:
@@ -130,7 +131,10 @@ def wait_indexed(
                 return holder
         return None
 
-    return _poll(grown, timeout)
+    found = _poll(grown, timeout)
+    if found is not None and tier == "gpu":
+        wait_placers_caught_up(mesh, found, timeout)
+    return found
 
 
 def gpu_holders(mesh, block_hashes: list[int]) -> list[set[str]]:
@@ -145,7 +149,8 @@ def gpu_holders(mesh, block_hashes: list[int]) -> list[set[str]]:
 def wait_held(mesh, block_hashes: list[int], timeout: float = 15.0) -> str | None:
     """Waits until one worker holds every one of `block_hashes` on its GPU by the
     scheduler's KV index (the KV events of the request that stored exactly these
-    blocks have reached it); returns that worker (None if the time ran out)."""
+    blocks have reached it), and the gateways that place requests themselves know as
+    much (`wait_placers_caught_up`); returns that worker (None if the time ran out)."""
 
     def holder() -> str | None:
         held = gpu_holders(mesh, block_hashes)
