@@ -16,6 +16,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 
 def _registry() -> CollectorRegistry:
@@ -312,6 +313,33 @@ PLACEMENTS, PLACED_PREFIX_BLOCKS, KV_INDEX_GAPS = _placement_metrics(SCHEDULER)
 GATEWAY_PLACEMENTS, GATEWAY_PLACED_PREFIX_BLOCKS, GATEWAY_KV_INDEX_GAPS = _placement_metrics(
     GATEWAY
 )
+
+
+class IndexBlocks:
+    """`yinian:kv_index_blocks` of a KV index, read when scraped: a gateway that places
+    requests itself sets `index` to its own (until then nothing is exported)."""
+
+    NAME = "yinian:kv_index_blocks"
+    HELP = ("Blocks the gateway's KV index knows, by holder (a worker, or the shared tier) "
+            "and tier")  # fmt: skip
+
+    def __init__(self, registry: CollectorRegistry):
+        self.index = None
+        registry.register(self)
+
+    def describe(self):
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["holder", "tier"])
+
+    def collect(self):
+        if self.index is None:
+            return
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["holder", "tier"])
+        for (holder, tier), count in self.index.sizes().items():
+            family.add_metric([holder, tier], count)
+        yield family
+
+
+GATEWAY_KV_INDEX_BLOCKS = IndexBlocks(GATEWAY)
 
 # Scheduler
 KV_INDEX_BLOCKS = Gauge(

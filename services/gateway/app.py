@@ -74,7 +74,7 @@ async def run(config: GatewayConfig) -> None:
     placer = scheduler
     if config.places_itself:
         placer = LocalPlacement(scheduler, EventBus(config.nats_url, "gateway"))
-        metrics.GATEWAY.register(placer)  # its KV index's size, as the scheduler's
+        metrics.GATEWAY_KV_INDEX_BLOCKS.index = placer.index  # its size, as the scheduler's
         await placer.start()
     workers = WorkerPool(tls, links=config.worker_links)
     core = GatewayCore(

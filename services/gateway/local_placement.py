@@ -22,13 +22,12 @@ import logging
 import time
 
 from opentelemetry import trace
-from prometheus_client.core import GaugeMetricFamily
 
 from proto.yinian.v1 import common_pb2
 from services.common import metrics
 from services.common.bus import KV_RESYNC_SUBJECT, EventBus
 from services.common.errors import WorkerUnavailable
-from services.common.kv_index import SHARED_HOLDER, KvIndex
+from services.common.kv_index import KvIndex
 from services.common.placement import PlacementPolicy, place
 from services.common.placement_feed import PlacementFeed
 from services.common.placement_outcomes import Outcomes, answer
@@ -78,6 +77,7 @@ class LocalPlacement:
         self.outcomes = Outcomes(metrics.GATEWAY_PLACEMENTS, metrics.GATEWAY_PLACED_PREFIX_BLOCKS)
         self._task: asyncio.Task | None = None
         self._listening = False
+        self._failing = False  # the last try to listen or list failed
         self._unlisted: dict[str, float] = {}  # worker id -> when a list first left it out
         self._block_size: int | None = None  # the one the listed workers share, if they do
 
@@ -108,12 +108,23 @@ class LocalPlacement:
                         await self.bus.connect()
                     await self.feed.listen()
                     self._listening = True
-                    await self._resync(SHARED_HOLDER)  # what the shared tier holds
+                    # a snapshot from every worker and the shared tier: those listed
+                    # before NATS was in were asked while it could not say so
+                    await self._resync("")
                 await self.refresh()
+                if self._failing:
+                    logger.info("the placer hears NATS and the scheduler again")
+                    self._failing = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS or the scheduler away: the scheduler places
-                logger.warning("placing in the gateway waits: %s", exc)
+                if not self._failing:  # once a spell
+                    logger.warning(
+                        "the placer cannot follow NATS and the scheduler (%s): it places "
+                        "from what it has while NATS is in, else the scheduler places",
+                        exc,
+                    )
+                self._failing = True
             # often until it knows a ready worker (the first ones register as it starts);
             # at once when a worker it does not know reports (it just registered)
             wait = self.interval if self.registry.ready() else self.interval / 10
@@ -176,19 +187,6 @@ class LocalPlacement:
         sizes = {w.block_size for w in registry.workers.values()}
         self._block_size = sizes.pop() if len(sizes) == 1 else None
         return new
-
-    def collect(self):
-        """`yinian:kv_index_blocks` of this placer's index, read when scraped (a
-        prometheus_client collector: `metrics.GATEWAY.register(placer)`)."""
-        family = GaugeMetricFamily(
-            "yinian:kv_index_blocks",
-            "Blocks the gateway's KV index knows, by holder (a worker, or the shared tier) "
-            "and tier",
-            labels=["holder", "tier"],
-        )
-        for (holder, tier), count in self.index.sizes().items():
-            family.add_metric([holder, tier], count)
-        yield family
 
     def hash_block_size(self, default: int) -> int:
         """The blocks to hash a prompt in: the workers' own when they all share one
