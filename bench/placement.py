@@ -1,5 +1,5 @@
 """How long the scheduler takes to place one request, against how many workers it
-chooses from: the scheduler's own placement (`services/scheduler/placement.py`)
+chooses from: the scheduler's own placement (`services/common/placement.py`)
 over a registry of N ready workers and a KV index fed as the workers' events feed
 it, in process, no network. Each worker holds in its GPU tier a shared system
 prompt and the histories of the conversations it served (some pushed down to its

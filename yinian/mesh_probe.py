@@ -90,6 +90,16 @@ def metric_sum(mesh, name: str, role: str = "decode") -> float:
     return sum(worker_metric(mesh, name, role).values())
 
 
+def placer_metric(mesh, name: str, where: str = "") -> float:
+    """The sum of a placement metric's samples over every placer of the mesh: the
+    scheduler and each gateway (a gateway placing requests itself counts its own)."""
+    urls = [f"{url}/metrics" for url in mesh.urls[: mesh.spec.gateways]]
+    verify = mesh.ssl_context() or True
+    return scheduler_metric(mesh, name, where) + sum(
+        scrape(url, name, where, verify=verify) for url in urls
+    )
+
+
 def scheduler_metric(mesh, name: str, where: str = "") -> float:
     """The sum of a scheduler metric's samples (those whose labels contain `where`)."""
     return scrape(mesh.metrics_endpoints()["scheduler"], name, where)
@@ -132,8 +142,8 @@ def wait_indexed(
         return None
 
     found = _poll(grown, timeout)
-    if found is not None and tier == "gpu":
-        wait_placers_caught_up(mesh, found, timeout)
+    if found is not None and not wait_placers_caught_up(mesh, found, timeout, tier):
+        return None  # a gateway's index did not follow within the time
     return found
 
 
@@ -159,22 +169,22 @@ def wait_held(mesh, block_hashes: list[int], timeout: float = 15.0) -> str | Non
         return min(set.intersection(*held), default=None)
 
     found = _poll(holder, timeout)
-    if found is not None:
-        wait_placers_caught_up(mesh, found, timeout)
+    if found is not None and not wait_placers_caught_up(mesh, found, timeout):
+        return None  # a gateway's index did not follow within the time
     return found
 
 
-def wait_placers_caught_up(mesh, holder: str, timeout: float = 15.0) -> bool:
+def wait_placers_caught_up(mesh, holder: str, timeout: float = 15.0, tier: str = "gpu") -> bool:
     """Waits until every gateway that places requests itself knows at least as many
-    of `holder`'s GPU blocks as the scheduler's index now does (they hear the same KV
-    events, each in its own time); True once they do (at once for gateways that ask
-    the scheduler: they export no index)."""
-    want = index_sizes(mesh).get(holder, 0)
+    of `holder`'s blocks in `tier` as the scheduler's index now does (they hear the
+    same KV events, each in its own time); True once they do (at once for gateways
+    that ask the scheduler: they export no index), False if the time ran out."""
+    want = index_sizes(mesh, tier).get(holder, 0)
 
     def caught_up() -> bool | None:
-        for url in mesh.urls:
+        for url in mesh.urls[: mesh.spec.gateways]:
             text = http_get(f"{url}/metrics", mesh.ssl_context() or True).text
-            sizes = _index_sizes(text, "gpu")
+            sizes = _index_sizes(text, tier)
             if sizes is not None and sizes.get(holder, 0) < want:
                 return None
         return True

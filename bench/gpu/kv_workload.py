@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.loadgen.cli import run as bench_run
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import http_get, sample_sum, scheduler_metric, worker_metric
+from yinian.mesh_probe import http_get, placer_metric, sample_sum, scheduler_metric, worker_metric
 
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -115,9 +115,9 @@ def _tiers(mesh: Mesh) -> dict:
     # chosen worker against the longest any worker held (placement giving cache up for
     # load), each worker's requests and preemptions (a preempted prompt is admitted and
     # counted again)
-    placed = {k: scheduler_metric(mesh, "yinian:placed_prefix_blocks_total", f'kind="{k}"')
+    placed = {k: placer_metric(mesh, "yinian:placed_prefix_blocks_total", f'kind="{k}"')
               for k in ("chosen", "longest")}  # fmt: skip
-    placed["index_gaps"] = scheduler_metric(mesh, "yinian:kv_index_gaps_total")
+    placed["index_gaps"] = placer_metric(mesh, "yinian:kv_index_gaps_total")  # every index
     per_worker = {name: worker_metric(mesh, metric) for name, metric in (
         ("requests", "yinian:worker_requests_total"),
         ("preemptions", "yinian:num_preemptions"))}  # fmt: skip

@@ -1,2 +1,3 @@
 """The gateway: OpenAI-compatible REST and gRPC front door, auth, tokenization,
-placement through the scheduler, and streaming detokenization."""
+placement (its own, from the mesh's NATS events, or through the scheduler), and
+streaming detokenization."""

@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 class HealthProbe:
     """Ready when the scheduler answers and has a ready worker, and the gateway's own
-    placer (when it places requests) is not warming up; cached briefly. The list it
-    reads goes to that placer too: once the gateway says it is ready, it knows every
-    worker the scheduler then knew."""
+    placer (when it places requests) is not warming up; with the scheduler away, when
+    that placer places and knows a ready worker. Cached briefly. The list it reads goes
+    to that placer too: once the gateway says it is ready, it knows every worker the
+    scheduler then knew."""
 
     def __init__(self, scheduler: SchedulerClient, ttl: float = 0.5, placer=None):
         self.scheduler, self.placer = scheduler, placer
@@ -58,8 +59,8 @@ class HealthProbe:
                 listing = await self.scheduler.list_workers()
             else:
                 listing = await self.placer.refresh()
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError:  # the scheduler away: ready while this gateway places
+            return self.placer is not None and self.placer.serving() > 0
         if self.placer is not None and self.placer.warming:
             return False
         return serving_workers(listing) > 0

@@ -29,26 +29,13 @@ from services.common.bus import KV_RESYNC_SUBJECT, EventBus
 from services.common.errors import WorkerUnavailable
 from services.common.kv_index import KvIndex
 from services.common.placement import PlacementPolicy, place
-from services.common.placement_feed import PlacementFeed
 from services.common.placement_outcomes import Outcomes, answer
 from services.common.registry import Registry, WorkerState
+from services.gateway.local_feed import GatewayFeed
 
 logger = logging.getLogger(__name__)
 UNLISTED_GRACE = 10.0  # seconds a worker still reporting stays once the list leaves it out
-
-
-class _Feed(PlacementFeed):
-    """Also sets `unknown` when a worker reports that the registry here does not know."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.unknown = asyncio.Event()
-
-    async def on_load(self, report, headers) -> bool:
-        known = await super().on_load(report, headers)
-        if not known:  # (a draining worker counts as known: it is not to come back)
-            self.unknown.set()
-        return known
+RESYNC_COVERS = 2.0  # seconds a snapshot asked of everyone spares asking one worker
 
 
 def policy_of(settings) -> PlacementPolicy:
@@ -73,18 +60,22 @@ class LocalPlacement:
         self.registry = Registry()
         self.index = KvIndex()
         self.policy: PlacementPolicy | None = None  # none until the first list
-        self.feed = _Feed(self.registry, self.index, bus, metrics.GATEWAY_KV_INDEX_GAPS)
+        self.feed = GatewayFeed(self.registry, self.index, bus, metrics.GATEWAY_KV_INDEX_GAPS)
         self.outcomes = Outcomes(metrics.GATEWAY_PLACEMENTS, metrics.GATEWAY_PLACED_PREFIX_BLOCKS)
         self._task: asyncio.Task | None = None
         self._listening = False
         self._failing = False  # the last try to listen or list failed
         self._unlisted: dict[str, float] = {}  # worker id -> when a list first left it out
         self._block_size: int | None = None  # the one the listed workers share, if they do
+        self._connected = False  # NATS, at the loop's last look
+        self._said_old = False  # that the scheduler sends no placement settings
+        self._everyone_asked = -1e9  # when a snapshot was last asked of every holder
 
     @property
     def ready(self) -> bool:
-        """Places here (else the scheduler does)."""
-        return self.policy is not None and self.bus.connected
+        """Places here (else the scheduler does): it has the scheduler's settings and
+        hears NATS."""
+        return self.policy is not None and self._listening and self.bus.connected
 
     @property
     def warming(self) -> bool:
@@ -103,21 +94,20 @@ class LocalPlacement:
     async def _run(self) -> None:
         while True:
             try:
-                if not self._listening:  # once: the client reconnects by itself
-                    if self.bus.nc is None:
-                        await self.bus.connect()
-                    await self.feed.listen()
-                    self._listening = True
-                    # a snapshot from every worker and the shared tier: those listed
-                    # before NATS was in were asked while it could not say so
+                await self.listen()
+                if self.bus.connected and not self._connected:
+                    # in, or back: a snapshot from every worker and the shared tier (what
+                    # they did meanwhile went by unheard, and those listed meanwhile were
+                    # asked while it could not say so)
                     await self._resync("")
+                self._connected = self.bus.connected
                 await self.refresh()
                 if self._failing:
                     logger.info("the placer hears NATS and the scheduler again")
                     self._failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # NATS or the scheduler away: the scheduler places
+            except Exception as exc:  # NATS or the scheduler away
                 if not self._failing:  # once a spell
                     logger.warning(
                         "the placer cannot follow NATS and the scheduler (%s): it places "
@@ -126,22 +116,36 @@ class LocalPlacement:
                     )
                 self._failing = True
             # often until it knows a ready worker (the first ones register as it starts);
-            # at once when a worker it does not know reports (it just registered)
+            # early when a worker it does not know reports (it may have just registered)
             wait = self.interval if self.registry.ready() else self.interval / 10
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.feed.unknown.wait(), wait)
             self.feed.unknown.clear()
 
+    async def listen(self) -> None:
+        """Connects to NATS and subscribes, once (the client reconnects by itself)."""
+        if not self._listening:
+            if self.bus.nc is None:
+                await self.bus.connect()
+            await self.feed.listen()
+            self._listening = True
+
     async def refresh(self):
         """Reads the scheduler's list of workers and settings, and returns it (raises
         grpc.RpcError when the scheduler is away)."""
         listing = await self.scheduler.list_workers()
-        for worker_id in self.apply(listing):
-            # its KV events so far went by unheard: a snapshot of what it caches
-            await self._resync(worker_id)
+        new = self.apply(listing)
+        if time.monotonic() - self._everyone_asked > RESYNC_COVERS:
+            for worker_id in new:
+                # its KV events so far went by unheard: a snapshot of what it caches
+                await self._resync(worker_id)
         return listing
 
     async def _resync(self, holder: str) -> None:
+        """Asks `holder` ("": every worker and the shared tier) for a snapshot (lost
+        while NATS is away; the loop asks everyone once it is back)."""
+        if not holder:
+            self._everyone_asked = time.monotonic()
         await self.bus.publish(
             KV_RESYNC_SUBJECT, common_pb2.KvResync(worker_id=holder, reason="a gateway listens")
         )
@@ -154,6 +158,12 @@ class LocalPlacement:
         until the workers it hears from register again; a draining worker says so in
         its reports and leaves at once). Returns the workers registered anew."""
         registry = self.registry
+        if not listing.HasField("placement"):  # a scheduler older than this gateway
+            if not self._said_old:
+                logger.warning("the scheduler says nothing of how it places: it places")
+                self._said_old = True
+            self.policy = None
+            return []
         settings = listing.placement
         self.policy = policy_of(settings)
         registry.heartbeat_timeout = settings.heartbeat_timeout_seconds or 2.0
@@ -165,6 +175,8 @@ class LocalPlacement:
             known = registry.workers.get(info.worker_id)
             if known is not None and known.info == info:
                 continue
+            if self.feed.drains(info.worker_id, 2 * registry.heartbeat_timeout):
+                continue  # a list read before the scheduler heard it drains
             if registry.register(WorkerState.from_info(info)):
                 self.index.forget(info.worker_id)  # registered again: a restart
             new.append(info.worker_id)
@@ -172,8 +184,8 @@ class LocalPlacement:
                              status.num_requests_waiting, status.kv_cache_usage)  # fmt: skip
             registry.workers[info.worker_id].last_seen = now - status.seconds_since_report
         unlisted = self._unlisted
-        for worker_id in listed:
-            unlisted.pop(worker_id, None)
+        for worker_id in [w for w in unlisted if w in listed or w not in registry.workers]:
+            del unlisted[worker_id]
         for worker_id, state in list(registry.workers.items()):
             if worker_id in listed:
                 continue
@@ -187,6 +199,12 @@ class LocalPlacement:
         sizes = {w.block_size for w in registry.workers.values()}
         self._block_size = sizes.pop() if len(sizes) == 1 else None
         return new
+
+    def serving(self) -> int:
+        """The ready workers here a request can be placed on (0 unless it places)."""
+        if not self.ready:
+            return 0
+        return sum(w.role in ("colocated", "decode") for w in self.registry.ready())
 
     def hash_block_size(self, default: int) -> int:
         """The blocks to hash a prompt in: the workers' own when they all share one

@@ -1,5 +1,5 @@
 """The simulation: a trace's requests arrive, the scheduler's own placement
-(`services/scheduler/placement.py`, its registry and KV index, in this process
+(`services/common/placement.py`, its registry and KV index, in this process
 and on the simulation's clock) picks a worker for each, and simulated workers
 run them; load reports and KV events reach the scheduler as a worker's would
 (a load report at most every `load_interval`, KV events every `kv_interval`,

@@ -77,6 +77,9 @@ async def follows():
     placer.registry.workers["w-b"].last_seen -= 5.0
     placer.apply(again)
     assert list(placer.registry.workers) == ["w-a"] and placer.index.sizes() == {}
+    # a scheduler older than this gateway sends no settings: it goes on placing
+    assert placer.apply(scheduler_pb2.ListWorkersResponse(workers=[status("w-d", "d:1")])) == []
+    assert placer.policy is None and not placer.ready
     odd = status("w-c", "c:1")
     odd.info.block_size = 32
     placer.apply(listing(status("w-a", "a:2"), odd))
@@ -94,8 +97,7 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
         asked = []
         await listener.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync,
                                  lambda m, _h: asked.append(m.worker_id))  # fmt: skip
-        await placer.bus.connect()
-        await placer.feed.listen()
+        await placer.listen()
         for worker_id in placer.apply(listing(status("w-a", "a:1"), status("w-b", "b:1"))):
             await placer._resync(worker_id)
         # w-b's snapshot, as it answers the resync: the prompt is in its GPU tier
@@ -131,6 +133,9 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
             if "w-a" not in placer.registry.workers and placer.registry.workers["w-b"].load == 0:
                 break
             await asyncio.sleep(0.02)
+        assert list(placer.registry.workers) == ["w-b"]
+        # a list the scheduler sent before it heard w-a drains does not bring it back
+        placer.apply(listing(status("w-a", "a:1"), status("w-b", "b:1")))
         assert list(placer.registry.workers) == ["w-b"]
         # NATS away (no heartbeat can arrive): the scheduler places; it is away too, so
         # the request goes where recent ones went (those placed here count)
