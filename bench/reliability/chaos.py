@@ -29,9 +29,11 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 from bench.reliability.rounds import Fault, Load, RoundResult, run_round, write_results
 from yinian.mesh import Mesh, MeshSpec
-from yinian.mesh_probe import list_workers
+from yinian.mesh_probe import list_workers, scrape
 from yinian.supervisor import Supervisor
 
 TARGETS = ("worker-0", "prefill-0", "decode-0", "scheduler", "gateway-1", "nats", "redis",
@@ -108,13 +110,16 @@ def row(result: RoundResult, back_s: float | None) -> dict:
 def drill(
     mesh: Mesh, targets, load: Load, say=print, kill_at: float = 0.3, min_probe_s: float = 10.0
 ) -> dict:
-    """A clean round, then one kill -9 per target under the same load, `kill_at` of
-    the clean round's duration after the streams were sent."""
+    """A clean round, then one kill -9 per target under the same load, once the
+    gateways have streamed `kill_at` of the round's tokens, or `kill_at` of the clean
+    round's duration after the streams were sent, whichever comes first (a fixed
+    time alone let a round faster than the clean one end before its kill)."""
     stop = threading.Event()
     supervisor = Supervisor(mesh, say=lambda line: say(f"  supervisor: {line}"))
     watcher = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
     watcher.start()
     workers = mesh.spec.workers + mesh.spec.prefill + mesh.spec.decode
+    total = len(load.prompts) * load.max_tokens  # tokens a round streams
     try:
         clean = asyncio.run(run_round(load, Fault("clean", None)))
         say(f"clean: {len(clean.failed)} failed, {len(clean.hung)} hung, {clean.seconds:.1f} s")
@@ -129,9 +134,10 @@ def drill(
                 mesh.kill(name)
 
             gateway = _gateway_index(name)
+            due = None if name in KILL_AFTER_S else _progressed(mesh, kill_at * total)
             fault = Fault(name, inject, KILL_AFTER_S.get(name, kill_at * clean.seconds),
                           probe_url=mesh.urls[gateway] if gateway is not None else "",
-                          lost_with=gateway)  # fmt: skip
+                          lost_with=gateway, due=due)  # fmt: skip
             result = asyncio.run(run_round(load, fault, clean.texts, min_probe_s=min_probe_s))
             wait_settled(mesh, name, workers)
             # the supervisor's next look notes when it came back (after this kill)
@@ -147,6 +153,24 @@ def drill(
     finally:
         stop.set()
         watcher.join(timeout=5)
+
+
+def _progressed(mesh: Mesh, tokens: float):
+    """A Fault's `due`: true once the gateways have streamed `tokens` more tokens than
+    when it was made."""
+
+    def streamed() -> float:
+        total = 0.0
+        for url in mesh.urls[: mesh.spec.gateways]:
+            try:
+                total += scrape(f"{url}/metrics", "yinian:generation_tokens_total",
+                                verify=mesh.ssl_context() or True)  # fmt: skip
+            except httpx.HTTPError:  # one away (restarting): the time bound stands
+                pass
+        return total
+
+    start = streamed()
+    return lambda: streamed() - start >= tokens
 
 
 def _gateway_index(name: str) -> int | None:

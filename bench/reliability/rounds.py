@@ -39,7 +39,10 @@ class Load:
 class Fault:
     name: str
     inject: Callable[[], None] | None  # runs in a thread; None: a clean round
-    after_s: float = 2.0  # seconds after the streams were sent
+    after_s: float = 2.0  # seconds after the streams were sent, at the latest
+    # polled (in a thread) every 50 ms from then on: true brings the fault at once (a
+    # round faster than the clean one must not end before its fault)
+    due: Callable[[], bool] | None = None
     probe_url: str = ""  # where new requests are tried (default: the first gateway)
     lost_with: int | None = None  # index of a killed gateway: its connections die with it
 
@@ -118,7 +121,11 @@ async def run_round(
         stop_probe = asyncio.Event()
         probe, probes = None, []
         if fault.inject is not None:
-            await asyncio.sleep(fault.after_s)
+            deadline = time.monotonic() + fault.after_s
+            while time.monotonic() < deadline:
+                if fault.due is not None and await asyncio.to_thread(fault.due):
+                    break
+                await asyncio.sleep(0.05)
             fault_at = time.monotonic()
             url = fault.probe_url or load.urls[0]
             probe = asyncio.create_task(_probe(load, url, probes, stop_probe, probe_interval))
