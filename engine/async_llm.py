@@ -225,6 +225,11 @@ class AsyncLLM:
         return self._engine.facts
 
     @property
+    def startup(self):
+        """How long the engine took to start, by phase (engine/startup.py)."""
+        return self._engine.startup
+
+    @property
     def kv_caches(self) -> list:
         """The KV cache, one tensor per layer: what KV transports read and write."""
         return self._engine.kv_caches

@@ -35,6 +35,7 @@ from engine.request_checks import check_request, tokenize
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.speculative import Drafter
+from engine.startup import StartupPhases
 from engine.stats import engine_stats
 from engine.step_timing import StepTiming
 from engine.stepping import Stepper
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        self.startup = StartupPhases()  # where its start-up went, by phase
         self.config = config or EngineConfig()
         self.model_dir = Path(model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
@@ -59,7 +61,10 @@ class LLMEngine:
                 f"({self.max_model_len})"
             )
         runner = MockRunner if self.config.model_runner == "mock" else ModelRunner
+        self.startup.mark("config")
         self.runner = runner(self.model_config, self.config, self.model_dir)
+        if hasattr(self.runner, "startup"):
+            self.startup.take(self.runner.startup)
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -67,6 +72,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.disagg = Disaggregation(self.kv, self.scheduler, self.runner.kv_caches)
         self.tiers = KVTiers(self.config, self.runner.kv_caches, self.kv)
+        self.startup.mark("host tier" if self.tiers.host is not None else "engine")
         cache = self.runner.kv_caches[0]
         self.facts = EngineFacts(
             block_size=self.config.block_size,

@@ -30,6 +30,7 @@ from engine.parallel.sharding import ShardPlan
 from engine.parallel.stages import StagePlan
 from engine.sampler import PendingSample, Sampler
 from engine.sequence import Sequence
+from engine.startup import StartupPhases
 from engine.step_inputs import StepInputs, prepare_step
 from kernels import ops
 
@@ -68,6 +69,7 @@ class ModelRunner:
     ):
         self.model_config = model_config
         self.config = config
+        self.startup = StartupPhases()  # where its start-up went (engine/startup.py)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
@@ -80,6 +82,8 @@ class ModelRunner:
                 config_options(config), model_dir, config.tensor_parallel_size,
                 config.pipeline_parallel_size, self.device,
             )  # fmt: skip
+        if self.followers is not None:
+            self.startup.mark("ranks")
         state = parallel_state.current()
         self.parallel = state.world_size > 1
         self.shard = ShardPlan(model_config, state.tp_size, state.tp_rank)
@@ -99,6 +103,7 @@ class ModelRunner:
         )  # fmt: skip
         self.model.full_vocab_size = model_config.vocab_size
         apply_moe_settings(self.model, config)
+        self.startup.mark("weights")
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kernel_mode = config.kernels
         if config.kernels == "auto":
@@ -121,6 +126,7 @@ class ModelRunner:
             self.num_blocks = max(2, self.num_blocks * layers // (layers + 1))
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.mtp_drafts = MTPDrafts(self) if mtp else None
+        self.startup.mark("kv cache")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -138,6 +144,7 @@ class ModelRunner:
             from engine.warmup import warm_up
 
             warm_up(self, max_len)
+            self.startup.mark("warm-up")
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -149,6 +156,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, graph_rows(config), max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
+            self.startup.mark("graphs")
 
     def set_expert_backend(self, experts) -> None:
         """Where the routed experts run from the next step on (engine/expert_backend.py).

@@ -29,6 +29,14 @@ def _registry() -> CollectorRegistry:
 
 WORKER, GATEWAY, SCHEDULER, KVSTORE, EXPERT = (_registry() for _ in range(5))
 
+STARTUP_SECONDS = Gauge(
+    "yinian:startup_seconds",
+    "How long the worker's engine took to start, by phase (config, ranks, weights, kv cache, "
+    "warm-up, graphs, host tier or engine)",
+    ["worker", "phase"],
+    registry=WORKER,
+)
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,

@@ -79,6 +79,10 @@ class WorkerHost:
             options.setdefault("host_kv_backup", "all")
         options["detokenize"] = False  # the gateway detokenizes; stop strings still end here
         self.engine = AsyncLLM.from_model(config.model, **options)
+        startup = self.engine.startup
+        for phase, seconds in startup.seconds.items():
+            metrics.STARTUP_SECONDS.labels(worker=config.worker_id, phase=phase).set(seconds)
+        logger.info("worker %s: its engine started in %s", config.worker_id, startup)
         self.server = GrpcServer(config.host, config.port, config.tls_files())
         self.address = f"{config.address_host}:{self.server.port}"
         metrics_port = metrics.serve_metrics(config.metrics_port, config.host, metrics.WORKER)

@@ -3,9 +3,12 @@ without touching anything a request can see."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine import LLM, SamplingParams
+from engine.startup import StartupPhases
 from engine.warmup import warm_up, warmup_shapes
 from kernels.selection import next_power_of_2
 
@@ -51,3 +54,20 @@ def test_warm_up_leaves_outputs_cache_and_counters_unchanged(model_dir):
     assert runner.num_tokens_processed == processed
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
+
+
+def test_an_engine_says_where_its_start_up_went(model_dir):
+    # the phases, in order, each as long as the clock between its marks
+    ticks = iter([0.0, 1.0, 3.5, 4.0])
+    phases = StartupPhases(clock=lambda: next(ticks))
+    phases.mark("weights")
+    phases.mark("kv cache")
+    phases.mark("weights")  # a phase met again adds up
+    assert phases.seconds == {"weights": 1.5, "kv cache": 2.5}
+    assert str(phases) == "4.0 s (weights 1.5 s, kv cache 2.5 s)"
+    start = time.monotonic()
+    llm = LLM(model_dir("tiny-llama"), device="cpu")
+    took = time.monotonic() - start
+    startup = llm.engine.startup
+    assert list(startup.seconds)[:3] == ["config", "weights", "kv cache"]
+    assert 0 < startup.total <= took

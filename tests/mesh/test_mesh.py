@@ -316,7 +316,7 @@ def test_health_and_metrics(mesh):
 
 def test_workers_export_their_steps_and_engine_thread_time(mesh):
     """Each worker's metrics say how many steps it ran and where its engine thread's
-    time went, growing as it serves."""
+    time went, growing as it serves, and how long each phase of its start took."""
 
     def steps() -> float:
         return sum(worker_metric(mesh, "yinian:engine_steps", where='kind="all"').values())
@@ -338,6 +338,9 @@ def test_workers_export_their_steps_and_engine_thread_time(mesh):
     assert steps() >= before + 6
     assert len(busy) == 2 and sum(busy.values()) > 0, busy
     assert all(v > 0 for v in idle.values()), idle
+    # and where each one's start-up went, by phase
+    weights = worker_metric(mesh, "yinian:startup_seconds", where='phase="weights"')
+    assert len(weights) == 2 and all(v > 0 for v in weights.values()), weights
 
 
 def test_client_disconnect_cancels_downstream(mesh):
