@@ -13,6 +13,11 @@ tokens after the first), percentiles over every request, the engine alone and
 through the mesh, and their differences; and each service's CPU use during the
 mesh's run, in cores.
 
+`--stagger S`: client c sends its first request c/concurrency of S seconds after
+the start, in both runs (by default every client starts at once, so each round's
+requests arrive together and the mesh's per-request work spreads them out while
+the engine alone takes them into one step).
+
 `--long-output-len N`: each concurrency also runs through the mesh with N tokens a
 request, and each service's CPU a request is split into what a request costs
 whatever its length and what each further streamed token costs (the slope between
@@ -21,7 +26,7 @@ CPU over the tokens of short requests is mostly per-request work.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
            [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
-           [--placement auto|gateway|scheduler]
+           [--placement auto|gateway|scheduler] [--stagger SECONDS]
            [--output-len 32] [--long-output-len 256]
            [--min-requests 32] [--floor-calls 300] [--out bench/results/mesh_overhead.json]
 """
@@ -130,13 +135,16 @@ class EngineClient:
         return await engine_request(self.llm, rid, prompt, self.output_len)
 
 
-async def closed_loop(clients: list, rounds: int, seed: int) -> tuple[list[dict], float]:
-    """Every client sends `rounds` requests, one after another; all results, and
-    the wall time."""
+async def closed_loop(clients: list, rounds: int, seed: int,
+                      stagger: float = 0.0) -> tuple[list[dict], float]:  # fmt: skip
+    """Every client sends `rounds` requests, one after another (client c's first after
+    c/len(clients) of `stagger` seconds: spread over it, not all at once); all
+    results, and the wall time."""
     todo = prompts(len(clients) * rounds, seed=seed)
 
     async def run(c: int) -> list[dict]:
         send = clients[c].send
+        await asyncio.sleep(stagger * c / len(clients))
         return [await send(f"r{c}-{r}", todo[c * rounds + r]) for r in range(rounds)]
 
     start = time.perf_counter()
@@ -163,25 +171,26 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int, seed: int,
-                       output_len: int):  # fmt: skip
+                       output_len: int, stagger: float = 0.0):  # fmt: skip
     llm = AsyncLLM.from_model(str(folder), **options)
     try:
         await engine_request(llm, "warm-up", prompts(1, seed=1)[0], output_len)  # not counted
-        rows, _ = await closed_loop([EngineClient(llm, output_len)] * concurrency, rounds, seed)
+        rows, _ = await closed_loop([EngineClient(llm, output_len)] * concurrency, rounds, seed,
+                                    stagger)  # fmt: skip
         return rows
     finally:
         llm.shutdown()
 
 
 async def through_mesh(url: str, model: str, concurrency: int, rounds: int, seed: int,
-                       output_len: int):  # fmt: skip
+                       output_len: int, stagger: float = 0.0):  # fmt: skip
     host, port = url.split("//")[1].split("/")[0].split(":")
     warm = MeshClient(host, int(port), model, output_len)
     await warm.send("warm-up", prompts(1, seed=1)[0])  # not counted
     warm.close()
     clients = [MeshClient(host, int(port), model, output_len) for _ in range(concurrency)]
     try:
-        return await closed_loop(clients, rounds, seed)
+        return await closed_loop(clients, rounds, seed, stagger)
     finally:
         for client in clients:
             client.close()
@@ -207,6 +216,7 @@ def run(args, folder: Path) -> dict:
                "mock_token_us": args.token_us, "max_num_seqs": 512,
                "num_gpu_blocks": 16384}  # fmt: skip
     results = {"step_ms": args.step_ms, "token_us": args.token_us, "prompt_len": PROMPT_LEN,
+               "stagger_s": args.stagger,
                "output_len": args.output_len, "long_output_len": args.long_output_len,
                "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
     # the floor under each hop on this machine, in the same run
@@ -228,13 +238,15 @@ def run(args, folder: Path) -> dict:
         def meshed_run(c: int, rounds: int, seed: int, output_len: int):
             """Rows, wall seconds and each service's CPU seconds a request."""
             before = cpu_seconds(pids)
-            rows, wall = asyncio.run(through_mesh(url, folder.name, c, rounds, seed, output_len))
+            rows, wall = asyncio.run(through_mesh(url, folder.name, c, rounds, seed, output_len,
+                                                  args.stagger))  # fmt: skip
             after = cpu_seconds(pids)
             return rows, wall, {n: (after[n] - before[n]) / len(rows) for n in pids}
 
         for k, c in enumerate(args.concurrency):  # each its own prompts: no prefix hits
             rounds = max(args.rounds, -(-args.min_requests // c))  # enough for percentiles
-            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k, args.output_len))
+            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k, args.output_len,
+                                             args.stagger))  # fmt: skip
             meshed, wall, per_request = meshed_run(c, rounds, 10 + k, args.output_len)
             a, m = summary(alone), summary(meshed)
             row = {"concurrency": c, "rounds": rounds, "engine": a, "mesh": m,
@@ -278,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--placement", default="auto", choices=("auto", "gateway", "scheduler"),
                         help="the gateway's --placement (auto: the gateway places, as under "
                         "`yinian up`)")  # fmt: skip
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="seconds over which the clients' first requests are spread "
+                        "(0: all at once, so each round's requests arrive together)")  # fmt: skip
     parser.add_argument("--output-len", type=int, default=32, help="tokens a request")
     parser.add_argument("--long-output-len", type=int, default=0,
                         help="also run each concurrency through the mesh with this many "
