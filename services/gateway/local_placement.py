@@ -95,13 +95,14 @@ class LocalPlacement:
         while True:
             try:
                 await self.listen()
-                if self.bus.connected and not self._connected:
+                back = self.bus.connected and not self._connected
+                await self.refresh(ask_new=not back)
+                if back:
                     # in, or back: a snapshot from every worker and the shared tier (what
                     # they did meanwhile went by unheard, and those listed meanwhile were
-                    # asked while it could not say so)
+                    # asked while it could not say so), once they are registered here
                     await self._resync("")
                 self._connected = self.bus.connected
-                await self.refresh()
                 if self._failing:
                     logger.info("the placer hears NATS and the scheduler again")
                     self._failing = False
@@ -130,12 +131,13 @@ class LocalPlacement:
             await self.feed.listen()
             self._listening = True
 
-    async def refresh(self):
+    async def refresh(self, ask_new: bool = True):
         """Reads the scheduler's list of workers and settings, and returns it (raises
-        grpc.RpcError when the scheduler is away)."""
+        grpc.RpcError when the scheduler is away); asks the workers listed anew for a
+        snapshot (`ask_new`; not when everyone was asked just now)."""
         listing = await self.scheduler.list_workers()
         new = self.apply(listing)
-        if time.monotonic() - self._everyone_asked > RESYNC_COVERS:
+        if ask_new and time.monotonic() - self._everyone_asked > RESYNC_COVERS:
             for worker_id in new:
                 # its KV events so far went by unheard: a snapshot of what it caches
                 await self._resync(worker_id)
