@@ -40,6 +40,16 @@ def listing(*workers, **settings) -> scheduler_pb2.ListWorkersResponse:
     return scheduler_pb2.ListWorkersResponse(workers=workers, placement=placement)
 
 
+async def until(check, timeout: float = 20.0) -> bool:
+    """Polls `check()` every 20 ms until it is true (True) or `timeout` passes (False)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 @pytest.fixture
 def nats_url():
     proc, url = start_nats()
@@ -98,15 +108,14 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
         await listener.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync,
                                  lambda m, _h: asked.append(m.worker_id))  # fmt: skip
         await placer.listen()
-        for worker_id in placer.apply(listing(status("w-a", "a:1"), status("w-b", "b:1"))):
+        # (workers stay ready for a minute here: a loaded CI host may be slow to deliver)
+        both = listing(status("w-a", "a:1"), status("w-b", "b:1"), heartbeat_timeout_seconds=60.0)
+        for worker_id in placer.apply(both):
             await placer._resync(worker_id)
         # w-b's snapshot, as it answers the resync: the prompt is in its GPU tier
         await listener.publish("yinian.kv.w-b", common_pb2.KvEvents(
             worker_id="w-b", event_id=1, reset=True, stored=HASHES))  # fmt: skip
-        for _ in range(100):
-            if placer.index.sizes() and len(asked) == 2:
-                break
-            await asyncio.sleep(0.02)
+        assert await until(lambda: placer.index.sizes() and len(asked) == 2)
         assert sorted(asked) == ["w-a", "w-b"]  # each listed anew asked for its snapshot
         placed = await placer.place("r1", len(PROMPT), HASHES, "", [], 16)
         assert (placed.worker_id, placed.address, placed.matched_blocks) == ("w-b", "b:1", 6)
@@ -118,10 +127,7 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
         for worker_id in ("w-a", "w-b"):
             await listener.publish(f"yinian.load.{worker_id}", common_pb2.LoadReport(
                 worker_id=worker_id, num_requests_running=8))  # fmt: skip
-        for _ in range(100):
-            if all(w.running == 8 for w in placer.registry.workers.values()):
-                break
-            await asyncio.sleep(0.02)
+        assert await until(lambda: all(w.running == 8 for w in placer.registry.workers.values()))
         with pytest.raises(Saturated) as saturated:
             await placer.place("r2", len(PROMPT), HASHES, "", [], 16)
         assert saturated.value.retry_after == 2.5
@@ -129,13 +135,11 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
         await listener.publish("yinian.load.w-b", common_pb2.LoadReport(worker_id="w-b"))
         await listener.publish("yinian.load.w-a", common_pb2.LoadReport(
             worker_id="w-a", draining=True))  # fmt: skip
-        for _ in range(100):
-            if "w-a" not in placer.registry.workers and placer.registry.workers["w-b"].load == 0:
-                break
-            await asyncio.sleep(0.02)
+        workers = placer.registry.workers
+        assert await until(lambda: "w-a" not in workers and workers["w-b"].load == 0)
         assert list(placer.registry.workers) == ["w-b"]
         # a list the scheduler sent before it heard w-a drains does not bring it back
-        placer.apply(listing(status("w-a", "a:1"), status("w-b", "b:1")))
+        placer.apply(both)
         assert list(placer.registry.workers) == ["w-b"]
         # NATS away (no heartbeat can arrive): the scheduler places; it is away too, so
         # the request goes where recent ones went (those placed here count)
