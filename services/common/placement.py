@@ -23,6 +23,9 @@ from services.common.errors import Saturated, WorkerUnavailable
 from services.common.kv_index import KvIndex
 from services.common.registry import Registry, WorkerState
 
+# the roles a request is placed on (a prefill worker is paired with a decode one)
+SERVING_ROLES = ("colocated", "decode")
+
 
 @dataclass(slots=True)
 class PlacementPolicy:
@@ -284,7 +287,7 @@ def place(
     block_hashes,
     prompt_tokens: int = 0,
     exclude=(),
-    roles=("colocated", "decode"),
+    roles=SERVING_ROLES,
 ) -> Decision:
     chosen = None
     if not exclude:

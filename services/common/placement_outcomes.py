@@ -1,5 +1,7 @@
 """What a placer (the scheduler, or a gateway placing requests itself) answers
-and counts of each placement: its outcome, the cached prefix it chose against
+and counts: the scheduler's placement settings as `ListWorkers` carries them to
+a gateway (`settings_of`, `policy_of`: the one mapping, both ways), and of each
+placement: its outcome, the cached prefix it chose against
 the longest one open, a prefill worker refused for its KV layout, and prompts
 hashed in blocks of another size than the chosen worker caches (said once per
 pair of sizes)."""
@@ -9,9 +11,39 @@ from __future__ import annotations
 import logging
 
 from proto.yinian.v1 import scheduler_pb2
-from services.common.placement import Decision
+from services.common.placement import Decision, PlacementPolicy
 
 logger = logging.getLogger(__name__)
+
+
+def settings_of(
+    policy: PlacementPolicy, heartbeat_timeout: float
+) -> scheduler_pb2.PlacementSettings:
+    """The PlacementSettings that describe `policy` (and the scheduler's heartbeat
+    timeout)."""
+    return scheduler_pb2.PlacementSettings(
+        max_waiting=policy.max_waiting,
+        request_tokens=policy.request_tokens,
+        memory_tokens=policy.memory_tokens,
+        host_hit_weight=policy.host_hit_weight,
+        shared_hit_weight=policy.shared_hit_weight,
+        retry_after_seconds=policy.retry_after,
+        disagg_min_tokens=policy.disagg_min_tokens,
+        heartbeat_timeout_seconds=heartbeat_timeout,
+    )
+
+
+def policy_of(settings: scheduler_pb2.PlacementSettings) -> PlacementPolicy:
+    """The PlacementPolicy that `settings` describe (settings_of's inverse)."""
+    return PlacementPolicy(
+        max_waiting=settings.max_waiting if settings.HasField("max_waiting") else None,
+        request_tokens=settings.request_tokens,
+        memory_tokens=settings.memory_tokens,
+        host_hit_weight=settings.host_hit_weight,
+        shared_hit_weight=settings.shared_hit_weight,
+        retry_after=settings.retry_after_seconds,
+        disagg_min_tokens=settings.disagg_min_tokens,
+    )
 
 
 def answer(decision: Decision) -> scheduler_pb2.Placement:

@@ -23,6 +23,7 @@ from services.common.channels import OPTIONS as _OPTIONS
 from services.common.channels import WorkerChannels
 from services.common.errors import DeadlineExceeded, WorkerUnavailable, from_grpc_error
 from services.common.grpc_streams import StreamIdle, read_stream
+from services.common.placement import SERVING_ROLES
 from services.common.telemetry import grpc_metadata
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway.worker_link import WorkerLink
@@ -132,7 +133,7 @@ class SchedulerClient:
 
 def serving_workers(listing: scheduler_pb2.ListWorkersResponse) -> int:
     """The ready workers a request can be placed on (colocated or decode) in a list."""
-    return sum(1 for w in listing.workers if w.ready and w.info.role in ("colocated", "decode"))
+    return sum(1 for w in listing.workers if w.ready and w.info.role in SERVING_ROLES)
 
 
 class WorkerPool(WorkerChannels):

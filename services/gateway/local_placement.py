@@ -28,27 +28,14 @@ from services.common import metrics
 from services.common.bus import KV_RESYNC_SUBJECT, EventBus
 from services.common.errors import WorkerUnavailable
 from services.common.kv_index import KvIndex
-from services.common.placement import PlacementPolicy, place
-from services.common.placement_outcomes import Outcomes, answer
+from services.common.placement import SERVING_ROLES, PlacementPolicy, place
+from services.common.placement_outcomes import Outcomes, answer, policy_of
 from services.common.registry import Registry, WorkerState
 from services.gateway.local_feed import GatewayFeed
 
 logger = logging.getLogger(__name__)
 UNLISTED_GRACE = 10.0  # seconds a worker still reporting stays once the list leaves it out
 RESYNC_COVERS = 2.0  # seconds a snapshot asked of everyone spares asking one worker
-
-
-def policy_of(settings) -> PlacementPolicy:
-    """The PlacementPolicy a ListWorkersResponse's PlacementSettings describe."""
-    return PlacementPolicy(
-        max_waiting=settings.max_waiting if settings.HasField("max_waiting") else None,
-        request_tokens=settings.request_tokens,
-        memory_tokens=settings.memory_tokens,
-        host_hit_weight=settings.host_hit_weight,
-        shared_hit_weight=settings.shared_hit_weight,
-        retry_after=settings.retry_after_seconds,
-        disagg_min_tokens=settings.disagg_min_tokens,
-    )
 
 
 class LocalPlacement:
@@ -206,7 +193,7 @@ class LocalPlacement:
         """The ready workers here a request can be placed on (0 unless it places)."""
         if not self.ready:
             return 0
-        return sum(w.role in ("colocated", "decode") for w in self.registry.ready())
+        return sum(w.role in SERVING_ROLES for w in self.registry.ready())
 
     def hash_block_size(self, default: int) -> int:
         """The blocks to hash a prompt in: the workers' own when they all share one

@@ -10,7 +10,7 @@ from proto.yinian.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import mesh_token, metrics
 from services.common.kv_index import GPU, HOST, SHARED, KvIndex, check_block_count
 from services.common.placement import PlacementPolicy, place
-from services.common.placement_outcomes import Outcomes, answer
+from services.common.placement_outcomes import Outcomes, answer, settings_of
 from services.common.registry import Registry, WorkerState
 from services.common.telemetry import context_from_grpc, tracer
 
@@ -100,18 +100,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return out
 
     async def ListWorkers(self, request, context):
-        policy = self.policy
         out = scheduler_pb2.ListWorkersResponse(
-            placement=scheduler_pb2.PlacementSettings(
-                max_waiting=policy.max_waiting,
-                request_tokens=policy.request_tokens,
-                memory_tokens=policy.memory_tokens,
-                host_hit_weight=policy.host_hit_weight,
-                shared_hit_weight=policy.shared_hit_weight,
-                retry_after_seconds=policy.retry_after,
-                disagg_min_tokens=policy.disagg_min_tokens,
-                heartbeat_timeout_seconds=self.registry.heartbeat_timeout,
-            )
+            placement=settings_of(self.policy, self.registry.heartbeat_timeout)
         )
         now = self.registry.clock()
         for w in self.registry.workers.values():
