@@ -116,6 +116,7 @@ class LocalPlacement:
             if self.bus.nc is None:
                 await self.bus.connect()
             await self.feed.listen()
+            await self.bus.nc.flush()  # the server has the subscriptions: it hears now
             self._listening = True
 
     async def refresh(self, ask_new: bool = True):

@@ -107,6 +107,7 @@ def test_it_places_by_the_kv_events_it_hears_without_a_call(nats_url, caplog):
         asked = []
         await listener.subscribe(KV_RESYNC_SUBJECT, common_pb2.KvResync,
                                  lambda m, _h: asked.append(m.worker_id))  # fmt: skip
+        await listener.nc.flush()  # subscribed at the server before anyone asks
         await placer.listen()
         # (workers stay ready for a minute here: a loaded CI host may be slow to deliver)
         both = listing(status("w-a", "a:1"), status("w-b", "b:1"), heartbeat_timeout_seconds=60.0)
