@@ -25,21 +25,25 @@ def _imported(importtime_log: str) -> set[str]:
 
 
 def test_gateway_never_imports_torch(model_dir, tmp_path):
-    port, grpc_port = free_port(), free_port()
     log = tmp_path / "importtime.txt"
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-X", "importtime", "-m", "services.gateway",
-             "--model", str(model_dir("tiny-llama")), "--port", str(port),
-             "--grpc-port", str(grpc_port), "--scheduler", f"127.0.0.1:{free_port()}"],
+             # port 0: it binds free ports and names them (a port picked here and
+             # released could be taken by a test beside it before the gateway binds it)
+             "--model", str(model_dir("tiny-llama")), "--port", "0",
+             "--grpc-port", "0", "--scheduler", f"127.0.0.1:{free_port()}"],
             stdout=subprocess.PIPE, stderr=err, text=True,
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
+        ready = ""
         for line in proc.stdout:
             if line.startswith("READY") or time.monotonic() > deadline:
+                ready = line
                 break
         assert proc.poll() is None, "the gateway exited"
+        port = ready.split()[2].rsplit(":", 1)[1]  # READY gateway http://HOST:PORT grpc ...
         body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
