@@ -225,7 +225,8 @@ class StreamPort:
         return bool(host[self.control["gone"] + member]) or bool(pid and not pid_alive(pid))
 
     def lose(self, member: int) -> None:
-        """Starts answering for `member` (once)."""
+        """Starts answering for `member` (once). The worker is told first (`lost`), so
+        that no dispatch is answered by the stand-in before the worker knows."""
         with self._guard:
             if member in self.stand_ins or self._compute is None or self.closed:
                 return
@@ -233,8 +234,8 @@ class StreamPort:
             lost = self._lost
         logger.warning("expert service %d of this stream group is gone: the worker answers "
                        "for it until a new group is formed", member + 1)  # fmt: skip
-        stand_in.start()
         lost(member)
+        stand_in.start()
 
     def _alive(self, member: int) -> None:
         host = self.flags.host
