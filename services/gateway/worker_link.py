@@ -36,7 +36,7 @@ _DONE = object()  # a request's end, finished
 class _Request:
     """One request's chunks not yet read, and how it ended (None: still running)."""
 
-    __slots__ = ("chunks", "end", "over_there", "waiter", "last", "deadline", "idle")
+    __slots__ = ("chunks", "end", "over_there", "waiter", "last", "deadline", "idle", "started")
 
     def __init__(self, timeout: float, idle: float):
         self.chunks: deque = deque()
@@ -46,8 +46,10 @@ class _Request:
         self.last = time.monotonic()
         self.deadline = self.last + timeout
         self.idle = idle
+        self.started = False  # a chunk has come
 
     def push(self, chunk) -> None:
+        self.started = True
         self.chunks.append(chunk)
         self.last = time.monotonic()
         self._wake()
@@ -131,10 +133,7 @@ class WorkerLink:
                 down = await self.call.read()
                 if down is grpc.aio.EOF:
                     raise WorkerUnavailable(f"worker {self.address} closed the link")
-                for chunk in down.chunks:
-                    state = self.requests.get(chunk.request_id)
-                    if state is not None:
-                        state.push(chunk)
+                self._push(down.chunks)
                 for end in down.ends:
                     state = self.requests.get(end.request_id)
                     if state is not None:
@@ -148,6 +147,23 @@ class WorkerLink:
         except asyncio.CancelledError:
             self._break(WorkerUnavailable(f"the link to worker {self.address} was closed"))
             raise
+
+    def _push(self, chunks) -> None:
+        """Hands each chunk to its request, the first chunks of requests first: their
+        readers then run first in this loop turn, so a new request's first token is
+        not sent after every running stream's next one (whose readers run after,
+        each still in its own order)."""
+        later = []
+        for chunk in chunks:
+            state = self.requests.get(chunk.request_id)
+            if state is None:
+                continue
+            if state.started:
+                later.append((state, chunk))
+            else:
+                state.push(chunk)
+        for state, chunk in later:
+            state.push(chunk)
 
     def _break(self, error: Exception) -> None:
         if not isinstance(error, WorkerUnavailable):  # a link's failure is its worker's

@@ -25,7 +25,9 @@ class Worker(worker_pb2_grpc.DecodeServicer):
     seconds, all running requests together, as an engine's decode step);
     prompt token 1: fails with a ValueError after one token; 2: one token, then
     silence; 3: silence from the start; 4: a cancellation from within (a call of
-    its own cancelled). Records what it aborted and each LinkDown it sent."""
+    its own cancelled); 5: its first token at a step, as a new request's first
+    token comes with the running ones' next. Records what it aborted and each
+    LinkDown it sent."""
 
     def __init__(self, gap: float = 0.005):
         self.gap = gap
@@ -42,6 +44,8 @@ class Worker(worker_pb2_grpc.DecodeServicer):
                 await asyncio.sleep(3600)
             if kind == [4]:
                 raise asyncio.CancelledError
+            if kind == [5]:
+                await self.step()
             for i in range(request.params.max_tokens):
                 yield worker_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i])
                 if kind == [1]:
@@ -120,6 +124,34 @@ def test_requests_share_one_call_and_a_step_of_chunks_travels_as_one_message():
     # on a busy CPU the 32 requests' first steps straggle in (42 seen under load)
     assert len(worker.sent) < chunks / 8, (len(worker.sent), chunks)
     assert worker.calls.count == 0
+
+
+def test_a_new_requests_first_token_goes_to_its_reader_before_the_running_ones_next():
+    """In one message down, the running request's token comes first (it waited on the
+    step first), yet the new request's reader gets its first token before the running
+    one's reader gets that token: a first token does not queue behind every stream."""
+
+    async def main():
+        worker, seen = Worker(), []
+
+        async def read(pool, address, req):
+            async for chunk in pool.generate(address, req, 30.0, 30.0):
+                seen.extend((req.request_id, t) for t in chunk.token_ids)
+
+        async with serving(worker) as (pool, address, _):
+            running = asyncio.ensure_future(read(pool, address, request("running", 40)))
+            while len(seen) < 5:
+                await asyncio.sleep(0.001)
+            await read(pool, address, request("new", 3, kind=5))
+            await running
+        return worker, seen
+
+    worker, seen = asyncio.run(main())
+    together = [d for d in worker.sent if [c.request_id for c in d.chunks][-1:] == ["new"]
+                and len(d.chunks) == 2 and d.chunks[1].token_ids == [100]]  # fmt: skip
+    assert together, "the new request's first token never shared a message"
+    running_token = ("running", together[0].chunks[0].token_ids[0])
+    assert seen.index(("new", 100)) < seen.index(running_token), seen
 
 
 def test_a_failed_request_gets_its_error_and_the_others_go_on():
