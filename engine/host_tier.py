@@ -62,7 +62,13 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int):
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        num_blocks: int,
+        memory: host_memory.HostMemory | None = None,
+    ):
+        """`memory`: the tier's, allocated already (engine/host_memory_ahead.py)."""
         first = kv_caches[0]
         self.device = first.device
         self.block_shape = tuple(first.shape[1:])
@@ -70,9 +76,11 @@ class HostTier:
         self.kv_caches = kv_caches
         cuda = self.device.type == "cuda"
         # empty, not zeros: untouched host pages cost nothing until a block lands
-        self.memory = host_memory.allocate(
-            (num_blocks, self.num_layers, *self.block_shape), first.dtype, cuda
-        )
+        if memory is None:
+            memory = host_memory.allocate(
+                (num_blocks, self.num_layers, *self.block_shape), first.dtype, cuda
+            )
+        self.memory = memory
         self.blocks = self.memory.tensor
         self.pool = HostBlockPool(num_blocks)
         self.bytes_per_block = self.blocks[0].numel() * self.blocks.element_size()

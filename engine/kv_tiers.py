@@ -23,20 +23,11 @@ from __future__ import annotations
 import torch
 
 from basis.block_hash import cached_prompt_blocks
-from basis.host_regions import available_host_gb
 from engine.block_pool import KVEvents
 from engine.config import EngineConfig
+from engine.host_memory_ahead import HostMemoryAhead, host_tier_gb, wants_host_tier
 from engine.host_tier import HostTier, copy_rows_to_blocks
 from engine.kv_cache_manager import KVCacheManager
-
-DEFAULT_FRACTION = 0.2  # of the host memory available at start-up
-DEFAULT_CAP_GB = 16.0
-
-
-def host_tier_gb(config: EngineConfig) -> float:
-    if config.host_kv_cache_gb is not None:
-        return config.host_kv_cache_gb
-    return min(DEFAULT_FRACTION * available_host_gb(), DEFAULT_CAP_GB)
 
 
 def backup_policy(config: EngineConfig, host_blocks: int, device_blocks: int) -> str:
@@ -48,20 +39,28 @@ def backup_policy(config: EngineConfig, host_blocks: int, device_blocks: int) ->
 
 
 class KVTiers:
-    def __init__(self, config: EngineConfig, kv_caches: list, kv: KVCacheManager):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_caches: list,
+        kv: KVCacheManager,
+        ahead: HostMemoryAhead | None = None,
+    ):
+        """`ahead`: the host tier's memory, if the runner started allocating it."""
         self.kv = kv
         self.kv_caches = kv_caches
         self.host: HostTier | None = None
         device = kv_caches[0].device
         self._compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        # Without prefix caching nothing could ever hit the host tier. A parallel engine's
-        # rank 0 holds only its part of each block (its heads, its stage's layers), so
-        # the tiers below the device, which would move only that part, are off there.
-        parallel = config.tensor_parallel_size * config.pipeline_parallel_size > 1
-        if config.enable_prefix_caching and not parallel:
-            num_blocks = HostTier.blocks_for(kv_caches, host_tier_gb(config))
+        if wants_host_tier(config):
+            taken = ahead.take() if ahead is not None else None
+            memory = None
+            if taken is not None:
+                num_blocks, memory = taken
+            else:
+                num_blocks = HostTier.blocks_for(kv_caches, host_tier_gb(config))
             if num_blocks >= 1:
-                self.host = HostTier(kv_caches, num_blocks)
+                self.host = HostTier(kv_caches, num_blocks, memory)
                 kv.host = self.host
                 policy = backup_policy(config, num_blocks, kv.pool.num_usable_blocks)
                 kv.pool.track_newly_free = policy == "all"

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.disaggregation import Disaggregation, Reservation
 from engine.facts import EngineFacts
 from engine.grammar import GrammarCompiler
+from engine.host_memory_ahead import HostMemoryAhead
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers import KVTiers
 from engine.mock_runner import MockRunner
@@ -60,9 +61,12 @@ class LLMEngine:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len})"
             )
-        runner = MockRunner if self.config.model_runner == "mock" else ModelRunner
         self.startup.mark("config")
-        self.runner = runner(self.model_config, self.config, self.model_dir)
+        ahead = HostMemoryAhead(self.config)
+        if self.config.model_runner == "mock":  # no warm-up to overlap: the tiers allocate
+            self.runner = MockRunner(self.model_config, self.config, self.model_dir)
+        else:
+            self.runner = ModelRunner(self.model_config, self.config, self.model_dir, ahead)
         if hasattr(self.runner, "startup"):
             self.startup.take(self.runner.startup)
         self.kv = KVCacheManager(
@@ -71,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.disagg = Disaggregation(self.kv, self.scheduler, self.runner.kv_caches)
-        self.tiers = KVTiers(self.config, self.runner.kv_caches, self.kv)
+        self.tiers = KVTiers(self.config, self.runner.kv_caches, self.kv, ahead)
         self.startup.mark("host tier" if self.tiers.host is not None else "engine")
         cache = self.runner.kv_caches[0]
         self.facts = EngineFacts(

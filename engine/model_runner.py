@@ -16,6 +16,7 @@ from engine import step_inputs
 from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.grammar import masks_for
+from engine.host_memory_ahead import HostMemoryAhead
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader import load_model
 from engine.models.mtp import has_mtp
@@ -65,8 +66,14 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, config: EngineConfig, model_dir: str | Path | None
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_dir: str | Path | None,
+        host_memory: HostMemoryAhead | None = None,
     ):
+        """`host_memory`: the host tier's memory, started once the KV cache exists and
+        allocated while the runner warms up (engine/host_memory_ahead.py)."""
         self.model_config = model_config
         self.config = config
         self.startup = StartupPhases()  # where its start-up went (engine/startup.py)
@@ -127,6 +134,8 @@ class ModelRunner:
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.mtp_drafts = MTPDrafts(self) if mtp else None
         self.startup.mark("kv cache")
+        if host_memory is not None and not self.parallel:
+            host_memory.start(self.kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -153,6 +162,9 @@ class ModelRunner:
         ):
             from engine.cuda_graphs import DecodeGraphs
 
+            if host_memory is not None and host_memory.started:
+                host_memory.settle()  # no other CUDA call may overlap a capture
+                self.startup.mark("host tier")
             self.graphs = DecodeGraphs(self, graph_rows(config), max_len)
             with ops.using(self.kernel_mode):
                 self.graphs.capture()

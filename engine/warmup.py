@@ -9,10 +9,16 @@ each step shape a power-of-two bucket can hold within the token budget (b
 prompts of n tokens; one prompt beside b - 1 decode rows), every key and value
 written to the null block 0, which no request reads. Decode shapes are covered
 by the CUDA-graph capture that follows.
+
+Each shape runs through one layer of each kind only (attention and MLP classes:
+a dense and a MoE layer of DeepSeek, one layer of Llama): every layer of a kind
+runs the same kernels at the same shapes, so the rest would only add the model's
+compute (most of the warm-up's time once the kernels are compiled and chosen).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -48,12 +54,46 @@ def warmup_shapes(max_tokens: int, max_seqs: int, max_len: int) -> list[list[int
     return uniform + mixed
 
 
+def layers_of_each_kind(layers) -> list[int]:
+    """The index of the first layer of each kind (its attention's and MLP's classes)."""
+    seen, keep = set(), []
+    for i, layer in enumerate(layers):
+        kind = (type(layer.self_attn), type(layer.mlp))
+        if kind not in seen:
+            seen.add(kind)
+            keep.append(i)
+    return keep
+
+
+@contextlib.contextmanager
+def fewer_layers(model, kv_caches: list):
+    """The model with one layer of each kind while inside, and those layers' caches."""
+    layers = model.layers
+    keep = layers_of_each_kind(layers)
+    model.layers = torch.nn.ModuleList(layers[i] for i in keep)
+    try:
+        yield [kv_caches[i] for i in keep]
+    finally:
+        model.layers = layers
+
+
 @torch.inference_mode()
 def warm_up(runner, max_len: int) -> float:
     """Runs the model on every warm-up shape; returns the seconds it took."""
     cfg, dev = runner.config, runner.device
     shapes = warmup_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
     start = time.perf_counter()
+    with fewer_layers(runner.model, runner.kv_caches) as kv_caches:
+        _run_shapes(runner, shapes, kv_caches)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d prefill shapes in %.1f s", len(shapes), seconds)
+    return seconds
+
+
+def _run_shapes(runner, shapes: list[list[int]], kv_caches: list) -> None:
+    dev = runner.device
     for lens in shapes:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         starts = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
@@ -71,13 +111,8 @@ def warm_up(runner, max_len: int) -> float:
             hidden = runner.model(
                 torch.zeros(len(positions), dtype=torch.long, device=dev),
                 positions,
-                runner.kv_caches,
+                kv_caches,
                 meta,
                 runner.backend,
             )
             runner.model.compute_logits(hidden.index_select(0, starts[1:].long() - 1))
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    seconds = time.perf_counter() - start
-    logger.info("warm-up: %d prefill shapes in %.1f s", len(shapes), seconds)
-    return seconds

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.startup import StartupPhases
-from engine.warmup import warm_up, warmup_shapes
+from engine.warmup import layers_of_each_kind, warm_up, warmup_shapes
 from kernels.selection import next_power_of_2
 
 
@@ -56,6 +56,34 @@ def test_warm_up_leaves_outputs_cache_and_counters_unchanged(model_dir):
     assert got == expected
 
 
+def test_warm_up_runs_one_layer_of_each_kind_and_gives_the_model_back(model_dir):
+    # DeepSeek-V2's tiny preset: a dense first layer, then MoE layers
+    opts = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, max_num_seqs=2)
+    llm = LLM(model_dir("tiny-deepseek-v2"), **opts)
+    runner = llm.engine.runner
+    layers = list(runner.model.layers)
+    kinds = [type(layer.mlp).__name__ for layer in layers]
+    assert len(set(kinds)) == 2 and len(layers) > 2, kinds
+    keep = layers_of_each_kind(layers)
+    assert [kinds[i] for i in keep] == list(dict.fromkeys(kinds))
+    ran: dict[int, int] = {}
+
+    def count(i: int):
+        return lambda *_: ran.update({i: ran.get(i, 0) + 1})
+
+    hooks = [layer.self_attn.register_forward_hook(count(i)) for i, layer in enumerate(layers)]
+    try:
+        warm_up(runner, max_len=32)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    shapes = len(warmup_shapes(32, 2, 32))
+    assert ran == {i: shapes for i in keep}
+    assert list(runner.model.layers) == layers
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_an_engine_says_where_its_start_up_went(model_dir):
     # the phases, in order, each as long as the clock between its marks
     ticks = iter([0.0, 1.0, 3.5, 4.0])
@@ -71,3 +99,26 @@ def test_an_engine_says_where_its_start_up_went(model_dir):
     startup = llm.engine.startup
     assert list(startup.seconds)[:3] == ["config", "weights", "kv cache"]
     assert 0 < startup.total <= took
+
+
+def test_the_host_tiers_memory_is_made_on_a_thread_of_its_own_and_taken_once(model_dir):
+    from engine.config import EngineConfig
+    from engine.host_memory_ahead import HostMemoryAhead
+
+    caches = [torch.zeros(6, 2, 4, 3) for _ in range(3)]  # 3 layers of 6 blocks
+    per_block = 3 * 2 * 4 * 3 * 4  # bytes of one block over the layers
+    ahead = HostMemoryAhead(EngineConfig(device="cpu", host_kv_cache_gb=10 * per_block / 2**30))
+    ahead.start(caches)
+    assert ahead.started
+    ahead.start(caches)  # once
+    blocks, memory = ahead.take()
+    assert blocks == 10 and memory.tensor.shape == (10, 3, 2, 4, 3)
+    assert ahead.take() is None  # taken
+    memory.close()
+    off = HostMemoryAhead(EngineConfig(device="cpu", enable_prefix_caching=False))
+    off.start(caches)
+    assert not off.started and off.take() is None
+    # an engine on the CPU takes its tier from it too (no warm-up there to overlap)
+    llm = LLM(model_dir("tiny-llama"), device="cpu", dtype="float32", host_kv_cache_gb=0.01)
+    host = llm.engine.tiers.host
+    assert host is not None and host.blocks.shape[0] == host.pool.num_blocks
