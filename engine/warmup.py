@@ -13,7 +13,10 @@ by the CUDA-graph capture that follows.
 Each shape runs through one layer of each kind only (attention and MLP classes:
 a dense and a MoE layer of DeepSeek, one layer of Llama): every layer of a kind
 runs the same kernels at the same shapes, so the rest would only add the model's
-compute (most of the warm-up's time once the kernels are compiled and chosen).
+compute. For Llama-3-8B on an H100 that compute was not what took the time: 176
+shapes took 7.4 s with warm kernel caches through 32 layers or one (about 40 ms a
+shape of first launches), 24-30 s cold (compiling); a deeper or wider model's
+compute grows where that does not.
 """
 
 from __future__ import annotations
