@@ -76,10 +76,12 @@ class HostTier:
         self.kv_caches = kv_caches
         cuda = self.device.type == "cuda"
         # empty, not zeros: untouched host pages cost nothing until a block lands
+        shape = (num_blocks, self.num_layers, *self.block_shape)
         if memory is None:
-            memory = host_memory.allocate(
-                (num_blocks, self.num_layers, *self.block_shape), first.dtype, cuda
-            )
+            memory = host_memory.allocate(shape, first.dtype, cuda)
+        elif tuple(memory.tensor.shape) != shape or memory.tensor.dtype != first.dtype:
+            raise ValueError(f"host tier memory {tuple(memory.tensor.shape)} "
+                             f"{memory.tensor.dtype} is not {shape} {first.dtype}")  # fmt: skip
         self.memory = memory
         self.blocks = self.memory.tensor
         self.pool = HostBlockPool(num_blocks)
