@@ -23,8 +23,7 @@ class PlacementFeed:
         """Applies a load report; False when its worker is not registered here. A
         draining worker leaves placement at once (True: it is not to come back)."""
         if report.draining:
-            if self.registry.deregister(report.worker_id):
-                self.index.forget(report.worker_id)
+            self.registry.deregister(report.worker_id)  # its KV entries go with it
             return True
         return self.registry.on_load(
             report.worker_id,

@@ -60,9 +60,13 @@ class WorkerState:
 
 
 class Registry:
-    def __init__(self, heartbeat_timeout: float = 2.0, clock=time.monotonic):
+    def __init__(self, heartbeat_timeout: float = 2.0, clock=time.monotonic, forget=None):
+        """`forget(worker_id)`, if given, is called when a worker leaves (deregistered or
+        expired) or registers again (a restart): what else was known of it goes too
+        (a placer's KV index entries for it)."""
         self.heartbeat_timeout = heartbeat_timeout
         self.clock = clock
+        self.forget = forget
         self.workers: dict[str, WorkerState] = {}
         self._seq = itertools.count()
         # What follows the workers' state (placement.OpenWorkers: its open workers and
@@ -78,12 +82,15 @@ class Registry:
         state.seq = old.seq if old is not None else next(self._seq)
         self.workers[state.worker_id] = state
         self._changed(state.worker_id)
+        if old is not None:
+            self._forget(state.worker_id)  # a restart: its old cache is gone
         return old is not None
 
     def deregister(self, worker_id: str) -> WorkerState | None:
         state = self.workers.pop(worker_id, None)
         if state is not None:
             self._changed(worker_id)
+            self._forget(worker_id)
         return state
 
     def placed(self, state: WorkerState) -> None:
@@ -94,6 +101,10 @@ class Registry:
     def _changed(self, worker_id: str) -> None:
         for reader in self.readers:
             reader.changed(worker_id)
+
+    def _forget(self, worker_id: str) -> None:
+        if self.forget is not None:
+            self.forget(worker_id)
 
     def on_load(self, worker_id: str, running: int, waiting: int, kv_usage: float) -> bool:
         state = self.workers.get(worker_id)
@@ -137,4 +148,5 @@ class Registry:
         for state in gone:
             del self.workers[state.worker_id]
             self._changed(state.worker_id)
+            self._forget(state.worker_id)
         return gone

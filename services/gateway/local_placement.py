@@ -44,8 +44,8 @@ class LocalPlacement:
     def __init__(self, scheduler, bus: EventBus, interval: float = 1.0, warm_up: float = 10.0):
         self.scheduler, self.bus, self.interval = scheduler, bus, interval
         self.warm_until = time.monotonic() + warm_up
-        self.registry = Registry()
         self.index = KvIndex()
+        self.registry = Registry(forget=self.index.forget)  # its KV entries leave with it
         self.policy: PlacementPolicy | None = None  # none until the first list
         self.feed = GatewayFeed(self.registry, self.index, bus, metrics.GATEWAY_KV_INDEX_GAPS)
         self.outcomes = Outcomes(metrics.GATEWAY_PLACEMENTS, metrics.GATEWAY_PLACED_PREFIX_BLOCKS)
@@ -167,8 +167,7 @@ class LocalPlacement:
                 continue
             if self.feed.drains(info.worker_id, 2 * registry.heartbeat_timeout):
                 continue  # a list read before the scheduler heard it drains
-            if registry.register(WorkerState.from_info(info)):
-                self.index.forget(info.worker_id)  # registered again: a restart
+            registry.register(WorkerState.from_info(info))
             new.append(info.worker_id)
             registry.on_load(info.worker_id, status.num_requests_running,
                              status.num_requests_waiting, status.kv_cache_usage)  # fmt: skip
@@ -182,10 +181,8 @@ class LocalPlacement:
             since = unlisted.setdefault(worker_id, now)
             if not registry.is_ready(state) or now - since > UNLISTED_GRACE:
                 registry.deregister(worker_id)
-                self.index.forget(worker_id)
                 del unlisted[worker_id]
-        for gone in registry.expire():
-            self.index.forget(gone.worker_id)
+        registry.expire()
         sizes = {w.block_size for w in registry.workers.values()}
         self._block_size = sizes.pop() if len(sizes) == 1 else None
         return new

@@ -73,8 +73,8 @@ def expert_plane(config: SchedulerConfig):
 
 async def run(config: SchedulerConfig) -> None:
     setup_tracing("yinian-scheduler")
-    registry = Registry(config.heartbeat_timeout)
     index = KvIndex()
+    registry = Registry(config.heartbeat_timeout, forget=index.forget)
     servicer = SchedulerServicer(
         registry,
         index,
@@ -113,7 +113,6 @@ async def run(config: SchedulerConfig) -> None:
             # request whose worker did die).
             registry.touch_all()
         for gone in registry.expire():
-            index.forget(gone.worker_id)
             logger.warning("dropped %s: %s", gone.worker_id, registry.why_dropped(gone))
         for role in ROLES:
             metrics.READY_WORKERS.labels(role=role).set(len(registry.ready(role)))

@@ -33,8 +33,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise ValueError("a worker needs a worker_id and an address")
         await mesh_token.only_itself(context, request.worker_id, "worker")
         state = WorkerState.from_info(request)
-        if self.registry.register(state):
-            self.index.forget(state.worker_id)  # a restart: its old cache is gone
+        self.registry.register(state)  # a restart: the index forgets its old cache
         logger.info("registered %s (%s) at %s", state.worker_id, state.role, state.address)
         return scheduler_pb2.RegisterResponse(
             heartbeat_interval_seconds=self.heartbeat_interval, nats_subject_prefix="yinian"
@@ -42,8 +41,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Deregister(self, request, context):
         await mesh_token.only_itself(context, request.worker_id, "worker")
-        if self.registry.deregister(request.worker_id):
-            self.index.forget(request.worker_id)
+        if self.registry.deregister(request.worker_id):  # and the index forgets it
             logger.info("deregistered %s", request.worker_id)
         return scheduler_pb2.DeregisterResponse()
 

@@ -81,8 +81,9 @@ class Cluster:
     def __init__(self, config: SimConfig, model):
         self.config = config
         self.now = 0.0
-        self.registry = Registry(heartbeat_timeout=float("inf"), clock=lambda: self.now)
         self.index = KvIndex()
+        self.registry = Registry(heartbeat_timeout=float("inf"), clock=lambda: self.now,
+                                 forget=self.index.forget)  # fmt: skip
         self.workers: dict[str, SimWorker] = {}
         self.events: list = []
         self._seq = itertools.count()
@@ -117,8 +118,7 @@ class Cluster:
 
     def drain_worker(self, worker_id: str) -> None:
         """No more placements on it; it finishes what it holds, then powers off."""
-        self.registry.deregister(worker_id)
-        self.index.forget(worker_id)
+        self.registry.deregister(worker_id)  # and the index forgets it
         self._order = list(self.registry.workers.values())
         worker = self.workers[worker_id]
         if not worker.busy:
