@@ -42,6 +42,7 @@ SCRIPTS = (
     "speculative",
     "structured",
     "default_dtypes",
+    "saturation",
 )
 
 
