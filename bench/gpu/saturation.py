@@ -24,7 +24,6 @@ import random
 import time
 from collections import defaultdict
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu.ceilings import measure
@@ -255,7 +254,8 @@ def print_summary(results: dict) -> None:
                   f"decode {r['wall_ms_per_decode_step']:.1f}), "
                   f"{r['prompt_tokens_per_prompt_step']:.0f} prompt tokens a prompt step, "
                   f"{r['decoding_per_step']:.0f} decoding, device "
-                  f"{r['device_ms_per_timed_step']:.1f} ms, wait {r['wait_ms_per_step']:.1f}")  # fmt: skip
+                  f"{r['device_ms_per_timed_step']:.1f} ms, "
+                  f"wait {r['wait_ms_per_step']:.1f}")  # fmt: skip
     p = results.get("profile", {})
     if "families_s" in p:
         fams = ", ".join(f"{f} {s:.2f}" for f, s in p["families_s"].items())
