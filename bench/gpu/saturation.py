@@ -7,9 +7,9 @@ Sections:
 - `ceilings`, `model` (FLOPs a request, the bound in output tok/s);
 - `offline`: 320 requests at once, output tok/s and its ratio to the bound;
 - `rate_<r>`: Poisson arrivals at r req/s into `LLMEngine.step` (the engine thread's
-  loop without the mesh): TTFT / TPOT percentiles from the engine's own outputs, the
-  steps' make-up (prompt tokens, decoding sequences, wall time) and the engine's
-  step timing (host, wait, device);
+  loop without the mesh): TTFT / TPOT percentiles from the engine's own outputs, and
+  each kind of step's make-up and times (bench/gpu/step_record.py);
+- `host_profile`: the first rate's run (half its requests) under cProfile;
 - `profile`: 64 requests at once under torch.profiler: each kernel family's time and
   the matrix products' achieved TFLOP/s (the body's FLOPs over their kernels' time).
 
@@ -19,10 +19,13 @@ Usage: python -m bench.gpu.saturation --out bench/results/saturation.json
 
 from __future__ import annotations
 
+import cProfile
 import math
+import pstats
 import random
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -31,6 +34,7 @@ from bench.gpu.decode_profile import family, kernel_times
 from bench.gpu.engine_rates import abort_all, offline_throughput, random_prompts, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
+from bench.gpu.step_record import StepRecorder
 from engine import LLM, SamplingParams
 
 # preset, input, output, offline requests, rates, requests a rate, profiled requests
@@ -67,28 +71,6 @@ def bound(config, flops: dict, ceilings: dict, output_len: int, max_seqs: int) -
             "bound_output_tokens_per_s": output_len / per_request}  # fmt: skip
 
 
-class StepLog:
-    """The make-up of each scheduled batch: prompt tokens, decoding sequences."""
-
-    def __init__(self, engine):
-        self.steps: list[tuple[float, int, int]] = []
-        self.gaps: set[int] = set()  # steps scheduled after the engine sat idle
-        scheduler, plain = engine.scheduler, engine.scheduler.schedule
-
-        def schedule():
-            batch = plain()
-            prompt = sum(n for n in batch.num_new_tokens if n > 1)
-            decoding = sum(1 for n in batch.num_new_tokens if n == 1)
-            self.steps.append((time.perf_counter(), prompt, decoding))
-            return batch
-
-        scheduler.schedule = schedule
-        self._undo = lambda: delattr(scheduler, "schedule")
-
-    def close(self) -> None:
-        self._undo()
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -104,12 +86,10 @@ def poisson_run(llm: LLM, rate: float, n: int, input_len: int, output_len: int) 
     arrivals = [sum(gaps[: i + 1]) for i in range(n)]
     prompts = random_prompts(n, input_len, engine.model_config.vocab_size, seed=int(rate))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    before = engine.get_stats()
-    log = StepLog(engine)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     nxt, t0 = 0, time.perf_counter()
-    try:
+    with StepRecorder(engine) as rec:
         while len(done) < n:
             now = time.perf_counter() - t0
             while nxt < n and arrivals[nxt] <= now:
@@ -117,7 +97,6 @@ def poisson_run(llm: LLM, rate: float, n: int, input_len: int, output_len: int) 
                 nxt += 1
             if not engine.has_work():
                 time.sleep(max(0.0, arrivals[nxt] - now))
-                log.gaps.add(len(log.steps))  # the next step's wall would count the sleep
                 continue
             outs = engine.step()
             t = time.perf_counter() - t0
@@ -127,40 +106,46 @@ def poisson_run(llm: LLM, rate: float, n: int, input_len: int, output_len: int) 
                     first[i] = t
                 if out.finished:
                     done[i] = t
-    finally:
-        log.close()
     sync(llm)
     elapsed = time.perf_counter() - t0
-    after = engine.get_stats()
     ttft = [(first[i] - arrivals[i]) * 1e3 for i in range(n)]
     tpot = [(done[i] - first[i]) / (output_len - 1) * 1e3 for i in range(n)]
-    # each step's wall: until the next was scheduled (none across an idle sleep)
-    timed_steps = [(b[0] - a[0], a) for i, (a, b) in enumerate(zip(log.steps, log.steps[1:]))
-                   if i + 1 not in log.gaps]  # fmt: skip
-    walls = [w for w, _ in timed_steps]
-    prompt_steps = [w for w, s in timed_steps if s[1] > 0]
-    steps = after["num_steps"] - before["num_steps"]
-    timed = after["steps_device_timed"] - before["steps_device_timed"]
+    device = sum(s.device_ms or 0.0 for s in rec.steps) / 1e3
     out = {
         "rate": rate, "requests": n, "elapsed_s": elapsed,
         "output_tokens_per_s": n * output_len / elapsed,
         "ttft_ms": {q: percentile(ttft, q) for q in (50, 90, 99)},
         "tpot_ms": {q: percentile(tpot, q) for q in (50, 90, 99)},
-        "steps": len(log.steps),
-        "prompt_tokens_per_prompt_step": sum(s[1] for s in log.steps if s[1])
-        / max(1, sum(1 for s in log.steps if s[1])),
-        "decoding_per_step": sum(s[2] for s in log.steps) / max(1, len(log.steps)),
-        "wall_ms_per_step": sum(walls) / max(1, len(walls)) * 1e3,
-        "wall_ms_per_prompt_step": sum(prompt_steps) / max(1, len(prompt_steps)) * 1e3,
-        "wall_ms_per_decode_step": (sum(walls) - sum(prompt_steps))
-        / max(1, len(walls) - len(prompt_steps)) * 1e3,
-        "wait_ms_per_step": (after["step_wait_seconds"] - before["step_wait_seconds"])
-        / max(1, steps) * 1e3,
-        "device_ms_per_timed_step": (after["step_device_seconds"] - before["step_device_seconds"])
-        / max(1, timed) * 1e3,
+        "steps": len(rec.steps),
+        # the device's timed share of the run (untimed steps, prompts' middle chunks, left out)
+        "device_busy": device / elapsed,
+        "steps_by_kind": rec.summary(),
     }  # fmt: skip
     out["within_slo"] = out["ttft_ms"][99] <= 200 and out["tpot_ms"][99] <= 50
     return out
+
+
+def host_profile(llm: LLM, rate: float, n: int, input_len: int, output_len: int) -> dict:
+    """The engine thread's Python time under cProfile while n requests arrive at `rate`
+    (slower than without it: the shares count, not the times): the functions that
+    took the most time of their own, per step."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        r = poisson_run(llm, rate, n, input_len, output_len)
+    finally:
+        prof.disable()
+    stats = {k: v for k, v in pstats.Stats(prof).stats.items() if "sleep" not in k[2]}  # idle
+    steps = max(1, r["steps"])
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:30]
+    return {
+        "rate": rate, "requests": n, "steps": r["steps"],
+        "own_ms_per_step": sum(v[2] for v in stats.values()) / steps * 1e3,
+        "top_own": [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})",
+                     "calls_per_step": v[1] / steps, "own_ms_per_step": v[2] / steps * 1e3,
+                     "cum_ms_per_step": v[3] / steps * 1e3}
+                    for k, v in rows],
+    }  # fmt: skip
 
 
 def profiled_run(llm: LLM, n: int, input_len: int, output_len: int, flops: dict) -> dict:
@@ -233,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
                 return r
 
             section(f"rate_{rate:g}", at_rate)
+        section("host_profile", lambda: host_profile(llm(), rates[0], rate_n // 2, inp, outp))
         section("profile", lambda: profiled_run(llm(), prof_n, inp, outp, m["flops"]))
         print_summary(section.results)
         return section.results
@@ -246,16 +232,23 @@ def print_summary(results: dict) -> None:
     if "output_tokens_per_s" in off:
         print(f"offline {off['output_tokens_per_s']:.0f} out tok/s, {off['of_bound']:.2f} of bound")
     for name, r in results.items():
-        if name.startswith("rate_") and "ttft_ms" in r:
-            print(f"{name}: {r['output_tokens_per_s']:.0f} out tok/s, TTFT p50/p99 "
-                  f"{r['ttft_ms'][50]:.0f}/{r['ttft_ms'][99]:.0f} ms, TPOT p99 "
-                  f"{r['tpot_ms'][99]:.1f} ms, within SLO {r['within_slo']}; step "
-                  f"{r['wall_ms_per_step']:.1f} ms (prompt {r['wall_ms_per_prompt_step']:.1f}, "
-                  f"decode {r['wall_ms_per_decode_step']:.1f}), "
-                  f"{r['prompt_tokens_per_prompt_step']:.0f} prompt tokens a prompt step, "
-                  f"{r['decoding_per_step']:.0f} decoding, device "
-                  f"{r['device_ms_per_timed_step']:.1f} ms, "
-                  f"wait {r['wait_ms_per_step']:.1f}")  # fmt: skip
+        if not (name.startswith("rate_") and "ttft_ms" in r):
+            continue
+        print(f"{name}: {r['output_tokens_per_s']:.0f} out tok/s, TTFT p50/p99 "
+              f"{r['ttft_ms'][50]:.0f}/{r['ttft_ms'][99]:.0f} ms, TPOT p99 "
+              f"{r['tpot_ms'][99]:.1f} ms, within SLO {r['within_slo']}, "
+              f"{r['steps']} steps, device busy {r['device_busy']:.2f}")  # fmt: skip
+        for kind, g in r["steps_by_kind"].items():
+            print(f"  {kind:>15}: {g['steps']:5d} steps, {g['prompt_tokens']:6.0f} prompt tokens, "
+                  f"{g['decoding']:4.0f} decoding; ms: launch {g['launch_ms']:.2f}, complete "
+                  f"{g['complete_ms']:.2f}, wait {g['wait_ms']:.2f}, device "
+                  f"{g['device_ms'] or 0:.2f} ({g['device_timed']} timed)")  # fmt: skip
+    h = results.get("host_profile", {})
+    if "top_own" in h:
+        print(f"host profile at {h['rate']:g} req/s: {h['own_ms_per_step']:.2f} ms a step")
+        for row in h["top_own"][:20]:
+            print(f"  {row['own_ms_per_step']:7.3f} own {row['cum_ms_per_step']:7.3f} cum "
+                  f"{row['calls_per_step']:7.1f} calls  {row['function']}")  # fmt: skip
     p = results.get("profile", {})
     if "families_s" in p:
         fams = ", ".join(f"{f} {s:.2f}" for f, s in p["families_s"].items())

@@ -59,8 +59,14 @@ EXPECTED = {
     "speculative": {"ceilings": "ok", "default": "ok", "tiny-llama": "ok"},
     "structured": {"ceilings": "ok", "constrained": "ok", "tools": "ok", "default_dtypes": "ok"},
     "default_dtypes": {"default_dtypes": "ok"},
-    "saturation": {"ceilings": "ok", "model": "ok", "offline": "ok", "rate_40": "ok",
-                   "profile": "ok"},
+    "saturation": {
+        "ceilings": "ok",
+        "model": "ok",
+        "offline": "ok",
+        "rate_40": "ok",
+        "host_profile": "ok",
+        "profile": "ok",
+    },
     "kvstore": {
         "ceilings": "ok",
         "host_load": "ok",
