@@ -1,7 +1,8 @@
 """The engine alone (llama3-8b, bf16, dummy weights, the worker's defaults: 256
 sequences, 8,192 tokens a step) on 1024->128 requests, against the roofline bound of
-that workload: its FLOPs over the bf16 matmul ceiling measured in this run, or the
-weights' reads of its fewest decode steps over the copy ceiling, whichever is longer.
+that workload (`bound`: its FLOPs over the bf16 matmul ceiling measured in this run,
+against its reads over the copy ceiling) and the serial bound (decode's KV reads added
+to the compute).
 
 Sections:
 - `ceilings`, `model` (FLOPs a request, the bound in output tok/s);
@@ -58,17 +59,36 @@ def request_flops(config, input_len: int, output_len: int) -> dict:
     }
 
 
-def bound(config, flops: dict, ceilings: dict, output_len: int, max_seqs: int) -> dict:
-    """Output tok/s the device could reach on this workload, per request amortised."""
+def bound(
+    config,
+    flops: dict,
+    ceilings: dict,
+    output_len: int,
+    max_seqs: int,
+    kv_bytes_per_token: int,
+    input_len: int,
+) -> dict:
+    """Output tok/s the device could reach on this workload, per request amortised.
+    The roofline: the longer of its FLOPs over the matmul ceiling and its bytes over
+    the copy ceiling (every decode step reads the weights, shared by a full batch, and
+    each decode token its context's KV). The serial bound adds the two: decode's
+    attention reads the KV in kernels of its own, beside no matrix product."""
     total = flops["body"] + flops["head"] + flops["attention"]
     compute_s = total / (ceilings["matmul_bf16_tflops"] * 1e12)
-    # every decode step reads the weights once; a full batch shares a step
-    weights = (config.active_parameters() + config.vocab_size * config.hidden_size) * 2
-    memory_s = output_len * weights / (ceilings["copy_gbps"] * 1e9) / max_seqs
-    per_request = max(compute_s, memory_s)
+    copy = ceilings["copy_gbps"] * 1e9
+    weights = config.active_parameters() * 2  # the LM head in, the embedding's rows out
+    weights_s = output_len * weights / copy / max_seqs
+    # decode token t (1..output_len-1) reads the KV of input_len + t tokens
+    contexts = sum(input_len + t for t in range(1, output_len))
+    kv_s = contexts * kv_bytes_per_token / copy
+    roofline = max(compute_s, weights_s + kv_s)
+    serial = compute_s + kv_s
     return {"flops_per_request": total, "compute_s_per_request": compute_s,
-            "memory_s_per_request": memory_s, "bound_requests_per_s": 1 / per_request,
-            "bound_output_tokens_per_s": output_len / per_request}  # fmt: skip
+            "weights_s_per_request": weights_s, "kv_read_s_per_request": kv_s,
+            "bound_requests_per_s": 1 / roofline,
+            "bound_output_tokens_per_s": output_len / roofline,
+            "serial_bound_requests_per_s": 1 / serial,
+            "serial_bound_output_tokens_per_s": output_len / serial}  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -197,16 +217,19 @@ def main(argv: list[str] | None = None) -> dict:
         llm = section.resource(make, LLM.close)
 
         def model() -> dict:
-            config = llm().engine.model_config
+            engine = llm().engine
+            config, kv = engine.model_config, engine.runner.kv_spec.bytes_per_token
             flops = request_flops(config, inp, outp)
             return {"input_len": inp, "output_len": outp, "flops": flops,
-                    **bound(config, flops, ceilings, outp, 256)}  # fmt: skip
+                    "kv_bytes_per_token": kv,
+                    **bound(config, flops, ceilings, outp, 256, kv, inp)}  # fmt: skip
 
         m = section("model", model)
 
         def offline() -> dict:
             r = offline_throughput(llm(), offline_n, inp, outp)
             r["of_bound"] = r["output_tokens_per_s"] / m["bound_output_tokens_per_s"]
+            r["of_serial_bound"] = r["output_tokens_per_s"] / m["serial_bound_output_tokens_per_s"]
             return r
 
         section("offline", offline)
@@ -228,9 +251,14 @@ def print_summary(results: dict) -> None:
     m, off = results.get("model", {}), results.get("offline", {})
     if "bound_output_tokens_per_s" in m:
         print(f"bound {m['bound_output_tokens_per_s']:.0f} out tok/s "
-              f"({m['bound_requests_per_s']:.1f} req/s)")  # fmt: skip
+              f"({m['bound_requests_per_s']:.1f} req/s), serial bound "
+              f"{m['serial_bound_output_tokens_per_s']:.0f} "
+              f"({m['serial_bound_requests_per_s']:.1f} req/s)")  # fmt: skip
     if "output_tokens_per_s" in off:
-        print(f"offline {off['output_tokens_per_s']:.0f} out tok/s, {off['of_bound']:.2f} of bound")
+        print(
+            f"offline {off['output_tokens_per_s']:.0f} out tok/s, {off['of_bound']:.2f} of "
+            f"bound, {off['of_serial_bound']:.2f} of the serial bound"
+        )
     for name, r in results.items():
         if not (name.startswith("rate_") and "ttft_ms" in r):
             continue
