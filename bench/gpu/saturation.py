@@ -11,6 +11,7 @@ Sections:
   loop without the mesh): TTFT / TPOT percentiles from the engine's own outputs, and
   each kind of step's make-up and times (bench/gpu/step_record.py);
 - `host_profile`: the first rate's run (half its requests) under cProfile;
+- `runtime_calls`: a quarter of them under torch.profiler: the CUDA runtime calls;
 - `profile`: 64 requests at once under torch.profiler: each kernel family's time and
   the matrix products' achieved TFLOP/s (the body's FLOPs over their kernels' time).
 
@@ -28,6 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu.ceilings import measure
@@ -168,6 +170,26 @@ def host_profile(llm: LLM, rate: float, n: int, input_len: int, output_len: int)
     }  # fmt: skip
 
 
+def runtime_calls(llm: LLM, rate: float, n: int, input_len: int, output_len: int) -> dict:
+    """The CUDA runtime calls the engine thread makes while n requests arrive at
+    `rate`, under torch.profiler: each call's host time a step (a synchronize, a host
+    allocation or a blocking copy in a launch stalls the device behind it)."""
+    cuda = llm.engine.facts.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        r = poisson_run(llm, rate, n, input_len, output_len)
+    steps = max(1, r["steps"])
+    calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cuda"):
+            calls[ev.name][0] += ev.cpu_time_total / 1e3
+            calls[ev.name][1] += 1
+    top = sorted(calls.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"rate": rate, "requests": n, "steps": r["steps"],
+            "calls": [{"name": k, "ms_per_step": ms / steps, "calls_per_step": c / steps}
+                      for k, (ms, c) in top]}  # fmt: skip
+
+
 def profiled_run(llm: LLM, n: int, input_len: int, output_len: int, flops: dict) -> dict:
     """n requests at once under torch.profiler: each kernel family's time and what the
     matrix products reached."""
@@ -242,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             section(f"rate_{rate:g}", at_rate)
         section("host_profile", lambda: host_profile(llm(), rates[0], rate_n // 2, inp, outp))
+        section("runtime_calls", lambda: runtime_calls(llm(), rates[0], rate_n // 4, inp, outp))
         section("profile", lambda: profiled_run(llm(), prof_n, inp, outp, m["flops"]))
         print_summary(section.results)
         return section.results
@@ -277,6 +300,9 @@ def print_summary(results: dict) -> None:
         for row in h["top_own"][:20]:
             print(f"  {row['own_ms_per_step']:7.3f} own {row['cum_ms_per_step']:7.3f} cum "
                   f"{row['calls_per_step']:7.1f} calls  {row['function']}")  # fmt: skip
+    for row in results.get("runtime_calls", {}).get("calls", [])[:10]:
+        print(f"  {row['ms_per_step']:7.3f} ms {row['calls_per_step']:7.1f} calls a step  "
+              f"{row['name']}")  # fmt: skip
     p = results.get("profile", {})
     if "families_s" in p:
         fams = ", ".join(f"{f} {s:.2f}" for f, s in p["families_s"].items())

@@ -65,6 +65,7 @@ EXPECTED = {
         "offline": "ok",
         "rate_40": "ok",
         "host_profile": "ok",
+        "runtime_calls": "ok",
         "profile": "ok",
     },
     "kvstore": {
