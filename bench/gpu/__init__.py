@@ -43,6 +43,7 @@ SCRIPTS = (
     "structured",
     "default_dtypes",
     "saturation",
+    "launch_cost",
 )
 
 

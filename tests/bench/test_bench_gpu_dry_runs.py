@@ -59,6 +59,7 @@ EXPECTED = {
     "speculative": {"ceilings": "ok", "default": "ok", "tiny-llama": "ok"},
     "structured": {"ceilings": "ok", "constrained": "ok", "tools": "ok", "default_dtypes": "ok"},
     "default_dtypes": {"default_dtypes": "ok"},
+    "launch_cost": {"d3_p0": "ok", "d3_p8": "ok", "d0_p16": "ok", "ops": "ok"},
     "saturation": {
         "ceilings": "ok",
         "model": "ok",
