@@ -72,8 +72,10 @@ def make_up(llm: LLM, decoding: int, prompt: int, context: int, repeats: int) ->
             engine = llm.engine
             each = min(prompt, 2048)  # prompts of 2k tokens at most
             vocab = engine.model_config.vocab_size
+            # a seed of its own each time: no prefix of these prompts is cached
+            seed = 10_000 + 100 * prompt + 1000 * decoding + 10 * r + held
             for i, ids in enumerate(random_prompts(prompt // each if prompt else 0, each, vocab,
-                                                   seed=r * 10 + held)):  # fmt: skip
+                                                   seed=seed)):  # fmt: skip
                 engine.add_request(f"prompt-{r}-{held}-{i}", ids,
                                    SamplingParams(max_tokens=2, ignore_eos=True))  # fmt: skip
             # async scheduling: the step launched now is read back in the next call
