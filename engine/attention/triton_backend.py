@@ -1,22 +1,14 @@
 """Attention through the Triton kernels: split-KV decode for all-decode
-batches (graph-capturable) and for the one-token sequences of a mixed step, the
-varlen extend kernel for the prompt chunks;
+batches (graph-capturable), the varlen extend kernel for everything else;
 for MLA, the absorbed split-KV decode over the latents and the expanded form
 on the extend kernel."""
 
 from __future__ import annotations
 
-import torch
-
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from kernels.mla_decode import mla_decode_attention
 from kernels.mla_extend import mla_extend_attention
-
-# one-token sequences in a mixed step from which they go through the decode kernel: each
-# is a launch more a layer (host time), against a tile of query rows each in the extend
-# kernel (device time)
-SPLIT_DECODES = 8
 
 
 class TritonAttentionBackend:
@@ -28,23 +20,17 @@ class TritonAttentionBackend:
             return decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
             )
-        d = meta.num_decodes
-        if d < SPLIT_DECODES:
-            return extend_attention(
-                q, k, v, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                meta.max_query_len, scale,
-            )  # fmt: skip
-        # A mixed step: its leading one-token sequences through the decode kernel (the
-        # extend kernel would give each of them a whole tile of query rows), the prompt
-        # chunks after them through the extend kernel, into one output.
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        decode_attention(q[:d], cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                         max(meta.seq_lens_cpu[:d]), out=out[:d])  # fmt: skip
-        extend_attention(
-            q, k, v, cache, meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:],
-            meta.max_query_len, scale, out=out,
-        )  # fmt: skip
-        return out
+        return extend_attention(
+            q,
+            k,
+            v,
+            cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+        )
 
     def mla_decode(self, q_latent, q_pe, cache, meta, scale):
         return mla_decode_attention(
