@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from basis.model_config import ModelConfig
-from engine import step_inputs
+from engine import piece_graphs, step_inputs
 from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.grammar import masks_for
@@ -145,7 +145,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_tokens_processed = 0  # tokens the model has run on, over the engine's life
         self.busy_seconds, self.steps = 0.0, 0  # time in `launch`, and launches
-        self.graphs = None
+        self.graphs = self.pieces = None
         max_len = model_config.context_length(config.max_model_len)
         if self.parallel:  # the other ranks step only when rank 0 sends them a step
             return
@@ -169,6 +169,10 @@ class ModelRunner:
             with ops.using(self.kernel_mode):
                 self.graphs.capture()
             self.startup.mark("graphs")
+        with ops.using(self.kernel_mode):
+            self.pieces = piece_graphs.make(self, config, host_memory)
+        if self.pieces is not None and self.pieces.graphs:
+            self.startup.mark("piece graphs")
 
     def set_expert_backend(self, experts) -> None:
         """Where the routed experts run from the next step on (engine/expert_backend.py).
@@ -200,7 +204,7 @@ class ModelRunner:
     def close(self) -> None:
         """Frees the device memory: graphs, weights and the KV cache (the list is
         emptied in place, so every holder of it lets go)."""
-        self.graphs = None
+        self.graphs = self.pieces = None
         self.model = None
         self.kv_caches.clear()
         if self.followers is not None:
@@ -308,7 +312,13 @@ class ModelRunner:
             return self.sampler.launch(logits, inputs.sample_seqs, masks)
         if self.stage is not None:
             return self._launch_stage(inputs, masks)
-        hidden = self.forward(inputs, layer_hook)
+        if self.pieces is not None and not force_eager and rows <= self.pieces.max_tokens:
+            self.num_tokens_processed += rows
+            with ops.using(self.kernel_mode):
+                hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta,
+                                         self.backend)  # fmt: skip
+        else:
+            hidden = self.forward(inputs, layer_hook)
         if self.mtp_drafts is not None:
             self.mtp_drafts.record(seqs, num_new, block_tables, hidden)
         if not inputs.sample_seqs:

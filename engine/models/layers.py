@@ -49,6 +49,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, positions, cos_sin, cache, meta, backend: AttentionBackend):
+        q, k, v = self.project(x, positions, cos_sin, cache, meta.slot_mapping)
+        return self.output(backend.attend(q, k, v, cache, meta, self.scale))
+
+    def project(self, x, positions, cos_sin, cache, slot_mapping):
+        """(q, k, v) of the rows, rotated, their keys and values written to the cache."""
         qkv = ops.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -56,8 +61,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary_cache_write(q, k, v, positions, cos_sin, cache, meta.slot_mapping)
-        o = backend.attend(q, k, v, cache, meta, self.scale)
+        q, k = ops.rotary_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping)
+        return q, k, v
+
+    def output(self, o):
+        """The output projection of the attention's [T, heads, head_dim] result."""
         return comm.tp_reduce(ops.linear(o.reshape(-1, self.q_size), self.o_proj))
 
 
