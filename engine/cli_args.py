@@ -27,6 +27,14 @@ def engine_options(args: argparse.Namespace) -> dict:
     return given_options(EngineConfig, args, _DEST)
 
 
+def options_from_flags(argv: list[str]) -> dict:
+    """The engine options that flags give (`["--piece-graphs"]`); an unknown flag
+    exits with argparse's error."""
+    parser = argparse.ArgumentParser(prog="engine flags", add_help=False)
+    add_engine_args(parser)
+    return engine_options(parser.parse_args(argv))
+
+
 def engine_argv(options: dict) -> list[str]:
     """The flags that reproduce `options`, for starting an engine in another process."""
     return to_argv(options)

@@ -11,7 +11,7 @@ mesh's.
 
 Usage: python -m bench.gpu.kv_serving --out bench/results/kv_serving.json
            [--rates 8,16,32] [--prompts-per-rate 320] [--device cpu]
-           [--meshes default,bare[,no_writes,copy_engine,host_only,store_only,store_unlent]]
+           [--meshes default,bare[,no_writes,copy_engine,host_only,store_only,store_unlent,pieces]]
            [--profile]
 Sections: ceilings, then each mesh of --meshes (then each one's ratios to the bare
 mesh, printed and stored). A mesh named again runs again, stored as `name_2`, ...
@@ -25,7 +25,8 @@ shared tier's writes cost from what the tiers' presence does;
 tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the default
 host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
 to tell which tier costs what the default mesh pays; `store_unlent`: the default mesh
-whose worker does not map and pin the store's memory tier (`--no-kv-lend`).
+whose worker does not map and pin the store's memory tier (`--no-kv-lend`); `pieces`:
+the default mesh with `--piece-graphs`.
 `pooled_requests`: each kind's requests over all its runs (TTFT p50/p99, TPOT p99),
 and each kind's over the bare runs' (bench/gpu/kv_serving_requests.py).
 Each mesh's result also says where its worker's engine thread spent the sweep
@@ -102,6 +103,8 @@ MESHES = {
     "store_only": (True, ["--host-kv-cache-gb", "0"], [], {}),
     # the default mesh whose worker does not map (nor pin) the store's memory tier
     "store_unlent": (True, [], ["--no-kv-lend"], {}),
+    # the default mesh with steps of prompt tokens as piece graphs (engine/piece_graphs.py)
+    "pieces": (True, ["--piece-graphs"], [], {}),
 }
 
 

@@ -13,6 +13,7 @@ long as the free time and the held time is shorter, the step waits on the host.
 `ops`: the host's microseconds a call of the layers' operators (kernels.ops).
 
 Usage: python -m bench.gpu.launch_cost --out bench/results/launch_cost.json
+           [--engine-flags="--piece-graphs ..."]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bench.gpu.engine_rates import abort_all, random_prompts, start_decode, sync
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from engine import LLM, SamplingParams
+from engine.cli_args import options_from_flags
 from kernels.selection import SLEEP_CYCLES_PER_S
 
 # preset, context, (decoding, prompt tokens) per make-up, repeats
@@ -139,16 +141,21 @@ def op_costs(llm: LLM, rows: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = script_parser(__doc__).parse_args(argv)
+    parser = script_parser(__doc__)
+    parser.add_argument("--engine-flags", default="", help="more engine options, one string "
+                        "(--engine-flags=--piece-graphs)")  # fmt: skip
+    args = parser.parse_args(argv)
+    extra = options_from_flags(args.engine_flags.split())
     preset, context, make_ups, repeats = GPU if args.device == "cuda" else DRY
-    with Sections(args, script="launch_cost", preset=preset) as section:
+    with Sections(args, script="launch_cost", preset=preset,
+                  engine_flags=args.engine_flags) as section:  # fmt: skip
 
         def make() -> LLM:
             folder, load_format = preset_folder(section.tmp, preset)
             return LLM(folder, dtype="bfloat16" if section.cuda else "float32",
                        device=section.device, load_format=load_format,
                        kernels="auto" if section.cuda else "torch", max_num_seqs=256,
-                       max_num_batched_tokens=8192, max_model_len=4096)  # fmt: skip
+                       max_num_batched_tokens=8192, max_model_len=4096, **extra)  # fmt: skip
 
         llm = section.resource(make, LLM.close)
         for decoding, prompt in make_ups:

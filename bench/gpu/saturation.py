@@ -17,6 +17,7 @@ Sections:
 
 Usage: python -m bench.gpu.saturation --out bench/results/saturation.json
            [--budget TOKENS] [--rates R ...] [--skip offline profile ...]
+           [--engine-flags="--piece-graphs ..."]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.gpu.step_record import StepRecorder
 from engine import LLM, SamplingParams
+from engine.cli_args import options_from_flags
 
 # preset, input, output, offline requests, rates, requests a rate, profiled requests
 GPU = ("llama3-8b", 1024, 128, 320, (24.0, 32.0), 320, 64)
@@ -223,10 +225,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--rates", type=float, nargs="*", help="req/s (default: 24 32)")
+    parser.add_argument("--engine-flags", default="", help="more engine options, one string "
+                        "(--engine-flags=--piece-graphs)")  # fmt: skip
     args = parser.parse_args(argv)
+    extra = options_from_flags(args.engine_flags.split())
     preset, inp, outp, offline_n, rates, rate_n, prof_n = GPU if args.device == "cuda" else DRY
     rates = args.rates or rates
-    with Sections(args, script="saturation", preset=preset, budget=args.budget) as section:
+    with Sections(args, script="saturation", preset=preset, budget=args.budget,
+                  engine_flags=args.engine_flags) as section:  # fmt: skip
         ceilings = section("ceilings", lambda: measure(section.device))
 
         def make() -> LLM:
@@ -234,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
             return LLM(folder, dtype="bfloat16" if section.cuda else "float32",
                        device=section.device, load_format=load_format,
                        kernels="auto" if section.cuda else "torch", max_num_seqs=256,
-                       max_num_batched_tokens=args.budget, max_model_len=4096)  # fmt: skip
+                       max_num_batched_tokens=args.budget, max_model_len=4096,
+                       **extra)  # fmt: skip
 
         llm = section.resource(make, LLM.close)
 
