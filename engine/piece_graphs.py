@@ -41,10 +41,12 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 def supports(runner) -> bool:
-    """A dense attention model, whole on one rank, stepped without micro-batches."""
+    """A dense attention model, whole on one rank, stepped without micro-batches, with
+    no multi-token predictor (which keeps a step's hidden states past the step)."""
     model = runner.model
     return (
         isinstance(model, CausalLM)
+        and getattr(runner, "mtp_drafts", None) is None
         and model.embed_tokens is not None
         and model.norm is not None
         and runner.stage is None
