@@ -13,6 +13,8 @@ their keys and values to the null block (slot 0), like the decode graphs' paddin
 every operator but the attention treats rows apart, so they leave the real rows as
 they were.
 
+With the launches this cheap, a mixed step's decodes go through the decode kernel
+apart from its prompt chunks (the Triton backend's `split_decodes`), on every step.
 Dense attention models on one rank (`supports`). On the CPU nothing is captured:
 `run` steps through the same pieces eagerly (the tests' path).
 """
@@ -168,6 +170,9 @@ def make(runner, config, host_memory=None):
     if not config.piece_graphs or config.enforce_eager or not supports(runner):
         return None
     pieces = PieceGraphs(runner, config.max_num_batched_tokens)
+    split = getattr(runner.backend, "split_mixed_steps", None)
+    if split is not None:  # the launches are cheap enough now (see the backend)
+        split()
     if runner.device.type == "cuda":
         if host_memory is not None and host_memory.started:
             host_memory.settle()  # no other CUDA call may overlap a capture

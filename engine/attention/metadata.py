@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import takewhile
 
 import torch
 
@@ -37,3 +38,8 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def num_decodes(self) -> int:
+        """Leading sequences with one new token each (the scheduler puts them first)."""
+        return sum(1 for _ in takewhile(lambda n: n == 1, self.query_lens_cpu))

@@ -1,36 +1,59 @@
 """Attention through the Triton kernels: split-KV decode for all-decode
-batches (graph-capturable), the varlen extend kernel for everything else;
+batches (graph-capturable) and, with `split_decodes`, for the one-token sequences
+of a mixed step; the varlen extend kernel for the prompt chunks;
 for MLA, the absorbed split-KV decode over the latents and the expanded form
 on the extend kernel."""
 
 from __future__ import annotations
+
+import torch
 
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from kernels.mla_decode import mla_decode_attention
 from kernels.mla_extend import mla_extend_attention
 
+# one-token sequences in a mixed step from which they go through the decode kernel: its
+# launches (host time) against a tile of query rows each in the extend kernel (device time)
+SPLIT_DECODES = 8
+
 
 class TritonAttentionBackend:
     name = "triton"
     graph_safe = True  # the decode path reads no device values on the host
+    # None: a mixed step's decodes stay in the extend kernel. The piece graphs set it
+    # (engine/piece_graphs.py): the decode kernel's launches cost the eager pass more host
+    # time than its device time saves while steps wait on their launch (one H100: a step
+    # of 80 decodes and a 1,024-token prompt, launch 35.6 -> 44.8 ms, device 41.3 ->
+    # 28.2 ms; bench/results/split_s79_*)
+    split_decodes: int | None = None
+
+    def split_mixed_steps(self) -> None:
+        """From now on a mixed step's decodes (SPLIT_DECODES or more) go apart."""
+        self.split_decodes = SPLIT_DECODES
 
     def attend(self, q, k, v, cache, meta, scale):
         if meta.decode_only:
             return decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
             )
-        return extend_attention(
-            q,
-            k,
-            v,
-            cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.max_query_len,
-            scale,
-        )
+        d = meta.num_decodes if self.split_decodes is not None else 0
+        if self.split_decodes is None or d < self.split_decodes:
+            return extend_attention(
+                q, k, v, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                meta.max_query_len, scale,
+            )  # fmt: skip
+        # A mixed step: its leading one-token sequences through the decode kernel (the
+        # extend kernel would give each of them a whole tile of query rows), the prompt
+        # chunks after them through the extend kernel, into one output.
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        decode_attention(q[:d], cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
+                         max(meta.seq_lens_cpu[:d]), out=out[:d])  # fmt: skip
+        extend_attention(
+            q, k, v, cache, meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:],
+            meta.max_query_len, scale, out=out,
+        )  # fmt: skip
+        return out
 
     def mla_decode(self, q_latent, q_pe, cache, meta, scale):
         return mla_decode_attention(

@@ -5,7 +5,7 @@ here is the cut and the padding: the tokens a user gets are those of the plain p
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, piece_graphs
 from engine.piece_graphs import BUCKET
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -34,3 +34,38 @@ def test_a_mixture_of_experts_runs_its_steps_as_before(model_dir):
     assert llm.engine.runner.pieces is None  # routed experts: not cut into pieces
     out = llm.generate([[1, 2, 3]], PARAMS)
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def _steps(llm: LLM, spy: list | None = None) -> dict[str, list[int]]:
+    """Nine short prompts, then, while they decode, a prompt chunked beside them."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for i in range(9):
+        engine.add_request(f"s{i}", [3 + i, 40 + i, 7], params)
+    outs = {o.request_id: o for o in engine.step()}
+    engine.add_request("long", [(5 * i) % 400 + 1 for i in range(30)], params)
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step()}
+    return {rid: o.outputs[0].token_ids for rid, o in outs.items()}
+
+
+def test_with_the_pieces_a_mixed_steps_decodes_go_through_the_decode_kernel(model_dir, monkeypatch):
+    """On the Triton kernels (the CPU's interpreter), the piece graphs' steps send a mixed
+    step's decodes through the decode kernel apart from the prompt chunk; the tokens are
+    those of the plain eager pass on the same kernels."""
+    from engine.attention import triton_backend
+
+    batches = []
+    plain_decode = triton_backend.decode_attention
+
+    def spy(q, *args, **kwargs):
+        batches.append(q.shape[0])
+        return plain_decode(q, *args, **kwargs)
+
+    options = dict(device="cpu", kernels="triton", max_num_batched_tokens=24)
+    want = _steps(LLM(model_dir("tiny-llama"), **options))
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    monkeypatch.setattr(piece_graphs, "BUCKET", 8)  # few padded rows: the interpreter is slow
+    pieces = LLM(model_dir("tiny-llama"), piece_graphs=True, **options)
+    assert _steps(pieces) == want
+    assert 9 in batches  # nine decodes beside the long prompt's chunk, apart from it

@@ -11,6 +11,9 @@ import pytest
 import torch
 from attention_batches import CAPABILITY, DEVICE, MIXED, SCALE, make_batch
 
+from engine.attention import triton_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_backend import SPLIT_DECODES, TritonAttentionBackend
 from kernels.attention_reference import paged_attention
 from kernels.decode_attention import choose_num_splits, decode_attention, split_kv_decode
 from kernels.extend_attention import EXTEND_CONFIGS, extend_attention, flash_extend, tma_extend
@@ -66,6 +69,37 @@ def test_extend_mixed_batch_matches_reference(dtype, block_size, kv_heads, group
     query_lens, seq_lens = MIXED
     b = make_batch(query_lens, seq_lens, kv_heads, group, head_dim, block_size, dtype)
     assert_matches(run_extend(b, query_lens), reference(b, query_lens, seq_lens), dtype)
+
+
+@pytest.mark.parametrize("prompts", [([6, 13], [30, 13]), ([], [])])
+def test_a_mixed_steps_decodes_run_apart_from_its_prompt_chunks_and_match(prompts, monkeypatch):
+    """The backend sends a mixed step's leading one-token sequences through the decode
+    kernel and its prompt chunks through the extend kernel, into one output."""
+    decodes = SPLIT_DECODES + 1
+    batches = []
+    plain = triton_backend.decode_attention
+
+    def spy(q, *args, **kwargs):
+        batches.append(q.shape[0])
+        return plain(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    query_lens = [1] * decodes + prompts[0]
+    seq_lens = [3 + 7 * i for i in range(decodes)] + prompts[1]
+    b = make_batch(query_lens, seq_lens, 2, 4, 16, 8, torch.float32, seed=6)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device=DEVICE),
+        query_start_loc=b["query_start_loc"], seq_lens=b["seq_lens"],
+        block_tables=b["block_tables"], query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    assert meta.num_decodes == decodes
+    backend = TritonAttentionBackend()
+    out = backend.attend(b["q"], b["k"], b["v"], b["cache"], meta, SCALE)
+    assert batches == ([decodes] if not prompts[0] else [])  # off by default
+    backend.split_mixed_steps()
+    out = backend.attend(b["q"], b["k"], b["v"], b["cache"], meta, SCALE)
+    assert_matches(out, reference(b, query_lens, seq_lens), torch.float32)
+    assert batches[-1] == decodes  # the decode kernel took the one-token sequences alone
 
 
 def test_decode_does_not_depend_on_splits():
