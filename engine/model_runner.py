@@ -291,6 +291,8 @@ class ModelRunner:
                                     self.weight_bytes)  # fmt: skip
 
     def _launch(self, seqs, num_new, block_tables, force_eager, layer_hook):
+        if getattr(self.backend, "split_decodes", None) is not None:
+            seqs, num_new, block_tables = step_inputs.decodes_first(seqs, num_new, block_tables)
         as_rows = not force_eager and self.rows_pay(seqs, num_new)
         inputs = self.prepare(seqs, num_new, block_tables, as_rows)
         masks = masks_for(inputs.sample_seqs, self.device)

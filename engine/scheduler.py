@@ -36,19 +36,6 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
-def _decodes_first(batch: ScheduledBatch) -> ScheduledBatch:
-    """The batch with its one-token sequences first, each part in its order: the
-    attention of a mixed step then runs them through the decode kernel, apart from the
-    prompt chunks (engine/attention/triton_backend.py)."""
-    new = batch.num_new_tokens
-    if all(a == 1 or b != 1 for a, b in zip(new, new[1:])):
-        return batch  # already so
-    order = sorted(range(len(new)), key=lambda i: new[i] != 1)  # stable
-    batch.seqs = [batch.seqs[i] for i in order]
-    batch.num_new_tokens = [new[i] for i in order]
-    return batch
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
@@ -130,7 +117,7 @@ class Scheduler:
             # `seq` itself was preempted; the list shifted under i
         if batch.preempted:
             self._add_drafts(batch, 0)  # no admissions and no drafts while memory is short
-            return _decodes_first(batch)
+            return batch
         self._waiting.sort(key=self._order_key)
         for seq in list(self._waiting):
             if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
@@ -153,7 +140,7 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self._add_drafts(batch, budget)
-        return _decodes_first(batch)
+        return batch
 
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
         """Speculative decoding: a one-token decode verifies its drafts in the budget and

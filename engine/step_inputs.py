@@ -114,6 +114,15 @@ def prepare_step(
     return StepInputs(t.input_ids, t.positions, t.meta, t.sample_rows, sample_seqs)
 
 
+def decodes_first(seqs: list, num_new: list[int], tables: list) -> tuple[list, list, list]:
+    """The step's sequences with the one-token ones first, each part in its order (the
+    attention then runs them through the decode kernel, apart from the prompt chunks)."""
+    if all(a == 1 or b != 1 for a, b in zip(num_new, num_new[1:])):
+        return seqs, num_new, tables  # already so
+    order = sorted(range(len(num_new)), key=lambda i: num_new[i] != 1)  # stable
+    return [seqs[i] for i in order], [num_new[i] for i in order], [tables[i] for i in order]
+
+
 def rows_pay(
     seqs: list[Sequence],
     num_new: list[int],

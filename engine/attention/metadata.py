@@ -41,5 +41,5 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
-        """Leading sequences with one new token each (the scheduler puts them first)."""
+        """Leading sequences with one new token each (`step_inputs.decodes_first`)."""
         return sum(1 for _ in takewhile(lambda n: n == 1, self.query_lens_cpu))

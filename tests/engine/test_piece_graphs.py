@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from engine import LLM, SamplingParams, piece_graphs
 from engine.piece_graphs import BUCKET
+from engine.step_inputs import decodes_first
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -36,14 +37,15 @@ def test_a_mixture_of_experts_runs_its_steps_as_before(model_dir):
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens
 
 
-def _steps(llm: LLM, spy: list | None = None) -> dict[str, list[int]]:
-    """Nine short prompts, then, while they decode, a prompt chunked beside them."""
+def _steps(llm: LLM) -> dict[str, list[int]]:
+    """A long prompt first, chunked over many steps, and nine short ones decoding beside
+    its chunks: the long one comes first in each step's batch, the decodes after it."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request("long", [(5 * i) % 400 + 1 for i in range(60)], params)
     for i in range(9):
         engine.add_request(f"s{i}", [3 + i, 40 + i, 7], params)
-    outs = {o.request_id: o for o in engine.step()}
-    engine.add_request("long", [(5 * i) % 400 + 1 for i in range(30)], params)
+    outs = {}
     while engine.has_unfinished_requests():
         outs |= {o.request_id: o for o in engine.step()}
     return {rid: o.outputs[0].token_ids for rid, o in outs.items()}
@@ -62,10 +64,18 @@ def test_with_the_pieces_a_mixed_steps_decodes_go_through_the_decode_kernel(mode
         batches.append(q.shape[0])
         return plain_decode(q, *args, **kwargs)
 
-    options = dict(device="cpu", kernels="triton", max_num_batched_tokens=24)
+    options = dict(device="cpu", kernels="triton", max_num_batched_tokens=40,
+                   max_prefill_chunk=8)  # fmt: skip
     want = _steps(LLM(model_dir("tiny-llama"), **options))
     monkeypatch.setattr(triton_backend, "decode_attention", spy)
     monkeypatch.setattr(piece_graphs, "BUCKET", 8)  # few padded rows: the interpreter is slow
     pieces = LLM(model_dir("tiny-llama"), piece_graphs=True, **options)
     assert _steps(pieces) == want
-    assert 9 in batches  # nine decodes beside the long prompt's chunk, apart from it
+    assert 9 in batches  # nine decodes beside the long prompt's chunk, moved before it
+
+
+def test_decodes_first_moves_one_token_sequences_ahead_in_order():
+    seqs, new, tables = ["long", "a", "mid", "b"], [8, 1, 3, 1], [[0], [1], [2], [3]]
+    assert decodes_first(seqs, new, tables) == (["a", "b", "long", "mid"], [1, 1, 8, 3],
+                                                [[1], [3], [0], [2]])  # fmt: skip
+    assert decodes_first(["a", "x"], [1, 5], [[1], [2]]) == (["a", "x"], [1, 5], [[1], [2]])

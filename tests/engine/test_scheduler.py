@@ -53,34 +53,3 @@ def test_preemption_takes_the_lowest_priority(model_dir):
     )
     assert outs["low"].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert outs["high"].outputs[0].token_ids == alone[1].outputs[0].token_ids
-
-
-def test_a_mixed_steps_one_token_sequences_come_first_and_outputs_stay(model_dir):
-    """A long prompt admitted first is still being chunked while later requests decode:
-    each step lists the one-token sequences first (the attention runs them through the
-    decode kernel), and every request's tokens are those it gets alone."""
-    llm = LLM(model_dir("tiny-llama"), device="cpu", max_num_batched_tokens=16,
-              max_prefill_chunk=8)  # fmt: skip
-    engine, plain = llm.engine, llm.engine.scheduler.schedule
-    prompts = {"long": list(range(1, 97)), "a": [5, 6, 7], "b": [8, 9], "c": [10, 11, 12, 13]}
-    steps = []
-
-    def schedule():
-        batch = plain()
-        steps.append(list(batch.num_new_tokens))
-        return batch
-
-    engine.scheduler.schedule = schedule
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, PARAMS)
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs |= {o.request_id: o for o in engine.step() if o.finished}
-    mixed = [s for s in steps if 1 in s and any(n > 1 for n in s)]
-    assert mixed, steps
-    for s in mixed:
-        assert s == sorted(s, key=lambda n: n != 1), steps
-    assert any(s[0] == 1 for s in mixed)  # the long prompt, scheduled first, moved behind
-    alone = LLM(model_dir("tiny-llama"), device="cpu").generate(list(prompts.values()), PARAMS)
-    for request_id, out in zip(prompts, alone):
-        assert outs[request_id].outputs[0].token_ids == out.outputs[0].token_ids
