@@ -76,6 +76,7 @@ def _part(meta: AttentionMetadata, first: int, stop: int, ends: list[int]) -> Mi
         query_lens_cpu=meta.query_lens_cpu[first:stop],
         seq_lens_cpu=meta.seq_lens_cpu[first:stop],
         prefix_slots=None,  # a layer that needs it computes it for these sequences
+        leading_decodes=None,  # counted again for these sequences
     )
     return MicroBatch(slice(row0, row1), sub)
 

@@ -170,7 +170,7 @@ class ModelRunner:
                 self.graphs.capture()
             self.startup.mark("graphs")
         with ops.using(self.kernel_mode):
-            self.pieces = piece_graphs.make(self, config, host_memory)
+            self.pieces = piece_graphs.make(self, config, max_len, host_memory)
         if self.pieces is not None and self.pieces.graphs:
             self.startup.mark("piece graphs")
 
@@ -227,6 +227,8 @@ class ModelRunner:
         width = max(c.intermediate_size, c.moe_intermediate_size * max(1, c.num_experts_per_tok))
         per_token = (8 * c.hidden_size + 4 * width + 2 * (c.q_size + 2 * c.kv_size)) * 4
         reserve = self.config.max_num_batched_tokens * per_token
+        if self.config.piece_graphs:  # their pool and buffers, beside an eager step's
+            reserve += min(self.config.max_num_batched_tokens, piece_graphs.MAX_TOKENS) * per_token
         reserve += self.config.max_num_seqs * c.vocab_size * 4 * 4 + (1 << 30)
         budget = min(total * self.config.gpu_memory_utilization - own, free) - reserve
         blocks = int(budget // self.kv_spec.bytes_per_block)

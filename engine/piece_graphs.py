@@ -164,15 +164,15 @@ class PieceGraphs:
         return self.hidden[rows]
 
 
-def make(runner, config, host_memory=None):
+def make(runner, config, max_len: int, host_memory=None):
     """The runner's piece graphs (captured on CUDA), or None where the flag is off or
-    the model is not one they support."""
+    the model is not one they support; `max_len`: the decode graphs' length bound."""
     if not config.piece_graphs or config.enforce_eager or not supports(runner):
         return None
     pieces = PieceGraphs(runner, config.max_num_batched_tokens)
     split = getattr(runner.backend, "split_mixed_steps", None)
     if split is not None:  # the launches are cheap enough now (see the backend)
-        split()
+        split(max_len)
     if runner.device.type == "cuda":
         if host_memory is not None and host_memory.started:
             host_memory.settle()  # no other CUDA call may overlap a capture

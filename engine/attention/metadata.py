@@ -22,6 +22,7 @@ class AttentionMetadata:
     # Cache slots of every sequence's cached prefix, in order; computed on first use by
     # a layer that reads the prefix itself (MLA's expanded form), shared by the others.
     prefix_slots: torch.Tensor | None = None
+    leading_decodes: int | None = None  # `num_decodes`, once counted
 
     @property
     def num_seqs(self) -> int:
@@ -41,5 +42,8 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
-        """Leading sequences with one new token each (`step_inputs.decodes_first`)."""
-        return sum(1 for _ in takewhile(lambda n: n == 1, self.query_lens_cpu))
+        """Leading sequences with one new token each (`step_inputs.decodes_first`),
+        counted on first use and kept (every layer asks)."""
+        if self.leading_decodes is None:
+            self.leading_decodes = sum(1 for _ in takewhile(lambda n: n == 1, self.query_lens_cpu))
+        return self.leading_decodes
