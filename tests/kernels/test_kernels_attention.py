@@ -99,7 +99,8 @@ def test_a_mixed_steps_decodes_run_apart_from_its_prompt_chunks_and_match(prompt
     backend.split_mixed_steps(max(seq_lens))
     out = backend.attend(b["q"], b["k"], b["v"], b["cache"], meta, SCALE)
     assert_matches(out, reference(b, query_lens, seq_lens), torch.float32)
-    assert batches[-1] == (decodes if not prompts[0] else 8)  # 8 of 9: a multiple of 4  # the decode kernel took the one-token sequences alone
+    # the decode kernel took the one-token sequences alone: 8 of 9 (a multiple of 4)
+    assert batches[-1] == (decodes if not prompts[0] else 8)
 
 
 def test_decode_does_not_depend_on_splits():
