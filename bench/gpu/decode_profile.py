@@ -77,6 +77,14 @@ def kernel_times(prof, cuda: bool) -> dict[str, list[float]]:
     return by_name
 
 
+def family_times(by_name: dict) -> dict[str, float]:
+    """family -> total ms of the kernels (`kernel_times`' name -> (ms, calls)) in it."""
+    families: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in by_name.items():
+        families[family(name)] += ms
+    return families
+
+
 def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
     engine, cuda = llm.engine, llm.engine.facts.device.type == "cuda"
     start_decode(llm, batch, context, steps * 2)
@@ -94,9 +102,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
     by_name = {
         n: (ms / steps, calls / steps) for n, (ms, calls) in kernel_times(prof, cuda).items()
     }
-    families: dict[str, float] = defaultdict(float)
-    for name, (ms, _) in by_name.items():
-        families[family(name)] += ms
+    families = family_times(by_name)
     kernel_ms = sum(families.values())
     # the weights a token reads (a mixture of experts: its top-k; a batch reads more of them,
     # so there this understates), over the kernels reading them

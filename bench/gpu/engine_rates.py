@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from bench.gpu.models import preset_folder
 from engine import LLM, SamplingParams
 
 
@@ -62,6 +63,17 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> dict:
         "step_ms": elapsed / steps * 1e3,
         "tokens_per_s": batch * steps / elapsed,
     }
+
+
+def worker_llm(section, preset: str, **options) -> LLM:
+    """The preset's engine with the worker's defaults (256 sequences, 8,192 tokens a step,
+    4k context): bf16 on its kernels on the GPU, float32 on the torch references in a dry
+    run; `options` override them."""
+    folder, load_format = preset_folder(section.tmp, preset)
+    defaults = dict(dtype="bfloat16" if section.cuda else "float32", device=section.device,
+                    load_format=load_format, kernels="auto" if section.cuda else "torch",
+                    max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)  # fmt: skip
+    return LLM(folder, **(defaults | options))
 
 
 def offline_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int,

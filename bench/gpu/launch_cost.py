@@ -22,8 +22,7 @@ import time
 
 import torch
 
-from bench.gpu.engine_rates import abort_all, random_prompts, start_decode, sync
-from bench.gpu.models import preset_folder
+from bench.gpu.engine_rates import abort_all, random_prompts, start_decode, sync, worker_llm
 from bench.gpu.sections import Sections, script_parser
 from engine import LLM, SamplingParams
 from engine.cli_args import options_from_flags
@@ -149,15 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     preset, context, make_ups, repeats = GPU if args.device == "cuda" else DRY
     with Sections(args, script="launch_cost", preset=preset,
                   engine_flags=args.engine_flags) as section:  # fmt: skip
-
-        def make() -> LLM:
-            folder, load_format = preset_folder(section.tmp, preset)
-            return LLM(folder, dtype="bfloat16" if section.cuda else "float32",
-                       device=section.device, load_format=load_format,
-                       kernels="auto" if section.cuda else "torch", max_num_seqs=256,
-                       max_num_batched_tokens=8192, max_model_len=4096, **extra)  # fmt: skip
-
-        llm = section.resource(make, LLM.close)
+        llm = section.resource(lambda: worker_llm(section, preset, **extra), LLM.close)
         for decoding, prompt in make_ups:
             run = lambda d=decoding, p=prompt: make_up(llm(), d, p, context, repeats)  # noqa: E731
             section(f"d{decoding}_p{prompt}", run)

@@ -23,22 +23,28 @@ Usage: python -m bench.gpu.saturation --out bench/results/saturation.json
 from __future__ import annotations
 
 import cProfile
-import math
 import pstats
 import random
 import time
 from collections import defaultdict
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu.ceilings import measure
-from bench.gpu.decode_profile import family, kernel_times
-from bench.gpu.engine_rates import abort_all, offline_throughput, random_prompts, sync
-from bench.gpu.models import preset_folder
+from bench.gpu.decode_profile import family_times, kernel_times
+from bench.gpu.engine_rates import (
+    abort_all,
+    offline_throughput,
+    random_prompts,
+    sync,
+    worker_llm,
+)
 from bench.gpu.sections import Sections, script_parser
 from bench.gpu.step_record import StepRecorder
+from bench.loadgen.metrics import nearest_rank
 from engine import LLM, SamplingParams
 from engine.cli_args import options_from_flags
 
@@ -95,19 +101,11 @@ def bound(
             "serial_bound_output_tokens_per_s": output_len / serial}  # fmt: skip
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def poisson_run(llm: LLM, rate: float, n: int, input_len: int, output_len: int) -> dict:
     """n requests arriving at `rate` (Poisson, seeded) into the engine's step loop."""
     engine = llm.engine
     rng = random.Random(int(rate * 1000))
-    gaps = [rng.expovariate(rate) for _ in range(n)]
-    arrivals = [sum(gaps[: i + 1]) for i in range(n)]
+    arrivals = list(accumulate(rng.expovariate(rate) for _ in range(n)))
     prompts = random_prompts(n, input_len, engine.model_config.vocab_size, seed=int(rate))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     first: dict[int, float] = {}
@@ -138,8 +136,8 @@ def poisson_run(llm: LLM, rate: float, n: int, input_len: int, output_len: int) 
     out = {
         "rate": rate, "requests": n, "elapsed_s": elapsed,
         "output_tokens_per_s": n * output_len / elapsed,
-        "ttft_ms": {q: percentile(ttft, q) for q in (50, 90, 99)},
-        "tpot_ms": {q: percentile(tpot, q) for q in (50, 90, 99)},
+        "ttft_ms": {q: nearest_rank(ttft, q / 100) for q in (50, 90, 99)},
+        "tpot_ms": {q: nearest_rank(tpot, q / 100) for q in (50, 90, 99)},
         "steps": len(rec.steps),
         # the device's timed share of the run (untimed steps, prompts' middle chunks, left out)
         "device_busy": device / elapsed,
@@ -205,9 +203,7 @@ def profiled_run(llm: LLM, n: int, input_len: int, output_len: int, flops: dict)
         sync(llm)
     wall = time.perf_counter() - start
     by_name = kernel_times(prof, cuda)
-    families: dict[str, float] = defaultdict(float)
-    for name, (ms, _) in by_name.items():
-        families[family(name)] += ms
+    families = family_times(by_name)
     kernel_ms = sum(families.values())
     body = flops["body"] * n
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]
@@ -236,12 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         ceilings = section("ceilings", lambda: measure(section.device))
 
         def make() -> LLM:
-            folder, load_format = preset_folder(section.tmp, preset)
-            return LLM(folder, dtype="bfloat16" if section.cuda else "float32",
-                       device=section.device, load_format=load_format,
-                       kernels="auto" if section.cuda else "torch", max_num_seqs=256,
-                       max_num_batched_tokens=args.budget, max_model_len=4096,
-                       **extra)  # fmt: skip
+            return worker_llm(section, preset, max_num_batched_tokens=args.budget, **extra)
 
         llm = section.resource(make, LLM.close)
 
