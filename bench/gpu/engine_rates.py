@@ -9,6 +9,7 @@ aborted after, so the next measurement starts from an empty engine.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -68,7 +69,14 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int) -> dict:
 def worker_llm(section, preset: str, **options) -> LLM:
     """The preset's engine with the worker's defaults (256 sequences, 8,192 tokens a step,
     4k context): bf16 on its kernels on the GPU, float32 on the torch references in a dry
-    run; `options` override them."""
+    run; `options` override them. The engine's INFO lines (graph captures, tuning) go to
+    stderr, so a run's log shows what its warm-up cost."""
+    engine_log = logging.getLogger("engine")
+    if not engine_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        engine_log.addHandler(handler)
+        engine_log.setLevel(logging.INFO)
     folder, load_format = preset_folder(section.tmp, preset)
     defaults = dict(dtype="bfloat16" if section.cuda else "float32", device=section.device,
                     load_format=load_format, kernels="auto" if section.cuda else "torch",
