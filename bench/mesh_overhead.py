@@ -22,7 +22,10 @@ the engine alone takes them into one step).
 request, and each service's CPU a request is split into what a request costs
 whatever its length and what each further streamed token costs (the slope between
 the two lengths: `cpu_us_per_extra_token`, `cpu_ms_per_request_fixed`), since the
-CPU over the tokens of short requests is mostly per-request work.
+CPU over the tokens of short requests is mostly per-request work. The engine alone is
+split the same way (this process's CPU: the engine thread and the consumer of its
+streams), and `mesh_added_us_per_extra_token` is the mesh's processes' slope less the
+engine alone's: what a further streamed token costs the mesh beyond the engine.
 
 Usage: python -m bench.mesh_overhead [--concurrency 1,64,512] [--rounds 3]
            [--step-ms 5] [--token-us 20] [--traces] [--no-worker-links]
@@ -172,12 +175,16 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 async def engine_alone(folder: Path, options: dict, concurrency: int, rounds: int, seed: int,
                        output_len: int, stagger: float = 0.0):  # fmt: skip
+    """Rows, and this process's CPU seconds a request (the engine thread and the
+    in-process consumer of its streams: what the worker's process does beside its
+    service)."""
     llm = AsyncLLM.from_model(str(folder), **options)
     try:
         await engine_request(llm, "warm-up", prompts(1, seed=1)[0], output_len)  # not counted
+        before = time.process_time()
         rows, _ = await closed_loop([EngineClient(llm, output_len)] * concurrency, rounds, seed,
                                     stagger)  # fmt: skip
-        return rows
+        return rows, (time.process_time() - before) / len(rows)
     finally:
         llm.shutdown()
 
@@ -245,8 +252,8 @@ def run(args, folder: Path) -> dict:
 
         for k, c in enumerate(args.concurrency):  # each its own prompts: no prefix hits
             rounds = max(args.rounds, -(-args.min_requests // c))  # enough for percentiles
-            alone = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k, args.output_len,
-                                             args.stagger))  # fmt: skip
+            alone, alone_cpu = asyncio.run(engine_alone(folder, options, c, rounds, 10 + k,
+                                                        args.output_len, args.stagger))  # fmt: skip
             meshed, wall, per_request = meshed_run(c, rounds, 10 + k, args.output_len)
             a, m = summary(alone), summary(meshed)
             row = {"concurrency": c, "rounds": rounds, "engine": a, "mesh": m,
@@ -258,9 +265,21 @@ def run(args, folder: Path) -> dict:
                    "cpu_us_per_token": {n: cpu / args.output_len * 1e6
                                         for n, cpu in per_request.items()}}  # fmt: skip
             if args.long_output_len:
-                row.update(per_token_split(per_request, args.output_len,
-                                           meshed_run(c, rounds, 50 + k, args.long_output_len)[2],
+                long_alone = asyncio.run(
+                    engine_alone(
+                        folder, options, c, rounds, 50 + k, args.long_output_len, args.stagger
+                    )
+                )[1]
+                long_mesh = meshed_run(c, rounds, 50 + k, args.long_output_len)[2]
+                row.update(per_token_split(per_request | {"engine alone": alone_cpu},
+                                           args.output_len,
+                                           long_mesh | {"engine alone": long_alone},
                                            args.long_output_len))  # fmt: skip
+                slope = row["cpu_us_per_extra_token"]
+                # what the mesh's processes spend a further token beyond the engine alone
+                row["mesh_added_us_per_extra_token"] = (
+                    sum(v for n, v in slope.items() if n in pids) - slope["engine alone"]
+                )
             results["by_concurrency"].append(row)
             print(json.dumps(row), flush=True)
     if traces is not None:  # where a request's time goes, service by service (medians)
@@ -332,13 +351,14 @@ def print_table(results: dict) -> None:
     if split:
         print(f"\nOver {results['output_len']} and {results['long_output_len']} tokens a request:")
         print(
-            "| streams | gateway, worker CPU µs a further token "
-            "| gateway, worker CPU ms a request |"
+            "| streams | gateway, worker, engine alone CPU µs a further token "
+            "| the mesh's beyond the engine's | gateway, worker CPU ms a request |"
         )
-        print("|---|---|---|")
+        print("|---|---|---|---|")
     for r in split:
         us, ms = r["cpu_us_per_extra_token"], r["cpu_ms_per_request_fixed"]
-        print(f"| {r['concurrency']} | {us.get('gateway', 0):.0f}, {us.get('worker-0', 0):.0f} | "
+        print(f"| {r['concurrency']} | {us.get('gateway', 0):.0f}, {us.get('worker-0', 0):.0f}, "
+              f"{us.get('engine alone', 0):.0f} | {r['mesh_added_us_per_extra_token']:.0f} | "
               f"{ms.get('gateway', 0):.2f}, {ms.get('worker-0', 0):.2f} |")  # fmt: skip
 
 

@@ -97,4 +97,10 @@ def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
         for name, us in row["cpu_us_per_token"].items():
             fixed = row["cpu_ms_per_request_fixed"][name] * 1e3
             assert fixed + 8 * row["cpu_us_per_extra_token"][name] == pytest.approx(8 * us)
+        # the engine alone is split too, and the mesh's figure is beyond it
+        slope = row["cpu_us_per_extra_token"]
+        services = sum(slope[n] for n in row["cpu_us_per_token"])
+        assert row["mesh_added_us_per_extra_token"] == pytest.approx(
+            services - slope["engine alone"]
+        )
     assert json.loads(out.read_text())["by_concurrency"][1]["concurrency"] == 4
