@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -49,8 +50,16 @@ def triton_version() -> str:
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_name(index)
     return device.type
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    # asked on every kernel call: torch's lookup costs microseconds a time, and a
+    # device's name does not change
+    return torch.cuda.get_device_name(index)
 
 
 def cache_dir() -> Path:
