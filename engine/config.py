@@ -84,11 +84,11 @@ class EngineConfig:
         "prefix) in the decode CUDA graphs, a row per token, where the rows' extra attention "
         "reads cost less than launching the eager pass (ModelRunner.rows_pay)",
     )
-    piece_graphs: bool = setting(
-        False,
+    piece_graphs: bool | None = setting(
+        None,
         "run a step with prompt tokens (up to 2,048) as CUDA graphs cut at the attention, "
         "which runs eagerly between them (engine/piece_graphs.py; dense attention models on "
-        "one rank)",
+        "one rank; default: on for CUDA)",
     )
     tensor_parallel_size: int = setting(
         1, "ranks a layer's weights are split over (one process and device each)"

@@ -26,7 +26,8 @@ tier through the copy engine, not a kernel); `host_only` (`--no-kvstore`: the de
 host tier, no store) and `store_only` (`--host-kv-cache-gb 0`: the store, no host tier),
 to tell which tier costs what the default mesh pays; `store_unlent`: the default mesh
 whose worker does not map and pin the store's memory tier (`--no-kv-lend`); `pieces`:
-the default mesh with `--piece-graphs`.
+the default mesh with `--piece-graphs` (on by default on CUDA since s80: the same as
+`default` there); `eager_prompts`: the default mesh with `--no-piece-graphs`.
 `pooled_requests`: each kind's requests over all its runs (TTFT p50/p99, TPOT p99),
 and each kind's over the bare runs' (bench/gpu/kv_serving_requests.py).
 Each mesh's result also says where its worker's engine thread spent the sweep
@@ -105,6 +106,8 @@ MESHES = {
     "store_unlent": (True, [], ["--no-kv-lend"], {}),
     # the default mesh with steps of prompt tokens as piece graphs (engine/piece_graphs.py)
     "pieces": (True, ["--piece-graphs"], [], {}),
+    # ... and without them: each step with prompt tokens launched eagerly
+    "eager_prompts": (True, ["--no-piece-graphs"], [], {}),
 }
 
 

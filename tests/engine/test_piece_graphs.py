@@ -5,6 +5,8 @@ here is the cut and the padding: the tokens a user gets are those of the plain p
 
 from __future__ import annotations
 
+import torch
+
 from engine import LLM, SamplingParams, piece_graphs
 from engine.piece_graphs import BUCKET
 from engine.step_inputs import decodes_first
@@ -28,6 +30,21 @@ def test_steps_through_the_pieces_give_the_plain_passs_tokens(model_dir):
     runner = pieces.engine.runner
     assert runner.pieces.buckets == [BUCKET, 2 * BUCKET]
     assert runner.pieces.replays >= 4  # the chunks of the long prompt and the decodes
+    assert plain.engine.runner.pieces is None  # by default only CUDA runs them
+
+
+def test_the_pieces_are_on_by_default_on_cuda_and_only_when_asked_elsewhere():
+    from engine.config import EngineConfig
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    default, on, off = (
+        EngineConfig(),
+        EngineConfig(piece_graphs=True),
+        EngineConfig(piece_graphs=False),
+    )
+    assert piece_graphs.wanted(default, cuda) and not piece_graphs.wanted(default, cpu)
+    assert piece_graphs.wanted(on, cpu) and not piece_graphs.wanted(off, cuda)
+    assert not piece_graphs.wanted(EngineConfig(enforce_eager=True), cuda)
 
 
 def test_a_mixture_of_experts_runs_its_steps_as_before(model_dir):
