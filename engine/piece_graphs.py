@@ -158,10 +158,9 @@ class PieceGraphs:
                 graphs[j].replay()
             else:
                 self._piece(j, bucket)
-            if j < len(layers):
-                o = backend.attend(self.q[rows], self.k[rows], self.v[rows], caches[j], meta,
-                                   layers[j].self_attn.scale)  # fmt: skip
-                self.o[rows].copy_(o)
+            if j < len(layers):  # into the buffer the next piece reads
+                backend.attend(self.q[rows], self.k[rows], self.v[rows], caches[j], meta,
+                               layers[j].self_attn.scale, out=self.o[rows])  # fmt: skip
         self.replays += 1
         return self.hidden[rows]
 

@@ -26,6 +26,7 @@ class AttentionBackend(Protocol):
         cache: torch.Tensor,  # [num_blocks, 2, block_size, Hk, D]
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # [T, Hq, D] contiguous: written and returned
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
     # Multi-head latent attention (kernels/mla_reference.py defines both forms).
@@ -55,10 +56,11 @@ class TorchAttentionBackend:
     name = "torch"
     graph_safe = False  # reads sequence lengths on the host
 
-    def attend(self, q, k, v, cache, meta, scale):
-        return attention_reference.paged_attention(
+    def attend(self, q, k, v, cache, meta, scale, out=None):
+        o = attention_reference.paged_attention(
             q, cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, scale
         )
+        return o if out is None else out.copy_(o)
 
     def mla_decode(self, q_latent, q_pe, cache, meta, scale):
         return mla_reference.mla_decode(

@@ -41,21 +41,22 @@ class TritonAttentionBackend:
         the decode graphs' length bound."""
         self.split_decodes, self.split_max_len = SPLIT_DECODES, max_len
 
-    def attend(self, q, k, v, cache, meta, scale):
+    def attend(self, q, k, v, cache, meta, scale, out=None):
         if meta.decode_only:
             return decode_attention(
-                q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
+                q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, out=out
             )
         d = meta.num_decodes // SPLIT_ALIGN * SPLIT_ALIGN if self.split_decodes else 0
         if self.split_decodes is None or d < self.split_decodes:
             return extend_attention(
                 q, k, v, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                meta.max_query_len, scale,
+                meta.max_query_len, scale, out=out,
             )  # fmt: skip
         # A mixed step: its leading one-token sequences through the decode kernel (the
         # extend kernel would give each of them a whole tile of query rows), the rest after
         # them through the extend kernel, into one output.
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         decode_attention(q[:d], cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
                          max(self.split_max_len, 1), out=out[:d])  # fmt: skip
         extend_attention(
