@@ -7,13 +7,13 @@ a step of 80 decodes and a 1,024-token prompt took 35.6 ms to launch for 28-41 m
 of device work (bench/results/launch_cost_s79.log), so below saturation such steps
 wait on the host. Here the work between one layer's attention and the next (its
 output projection, norms and MLP, then the next layer's norm, QKV projection,
-rotary and cache write) is one graph per token-count bucket (every 256 tokens up
-to 2,048; a larger step's device work outlasts its launch), L + 1 graphs a bucket
-over static buffers, and each attention runs eagerly between them with the step's
-own metadata on its real rows. Padded rows read token 0 at position 0 and write
-their keys and values to the null block (slot 0), like the decode graphs' padding;
-every operator but the attention treats rows apart, so they leave the real rows as
-they were.
+rotary and cache write) is one graph per token-count bucket (16, 32, 64, 128, then
+every 256 tokens up to 2,048; a larger step's device work outlasts its launch), L + 1
+graphs a bucket over static buffers, and each attention runs eagerly between them with
+the step's own metadata on its real rows. Padded rows read token 0 at position 0 and
+write their keys and values to the null block (slot 0), like the decode graphs'
+padding; every operator but the attention treats rows apart, so they leave the real
+rows as they were.
 
 With the launches this cheap, a mixed step's decodes go through the decode kernel
 apart from its prompt chunks (the Triton backend's `split_decodes`), on every step.
@@ -36,12 +36,23 @@ logger = logging.getLogger(__name__)
 
 BUCKET = 256  # token counts captured: every BUCKET up to the largest
 MAX_TOKENS = 2048
+# below BUCKET, powers of two from this: a step of a few dozen tokens padded to 256 rows
+# would turn from reading the weights (about 3.5 ms for llama3-8b on an H200) into
+# computing 256 rows (about 4.8 ms at the matmul rate)
+SMALLEST = 16
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Every BUCKET tokens up to max_tokens rounded up, MAX_TOKENS at most."""
+    """Powers of two from SMALLEST below BUCKET, then every BUCKET tokens, up to
+    max_tokens rounded up to a bucket, MAX_TOKENS at most."""
+    small, size = [], SMALLEST
+    while size < BUCKET:
+        small.append(size)
+        size *= 2
     top = min(-(-max(1, max_tokens) // BUCKET) * BUCKET, MAX_TOKENS)
-    return list(range(BUCKET, top + 1, BUCKET))
+    buckets = small + list(range(BUCKET, top + 1, BUCKET))
+    last = next((i for i, b in enumerate(buckets) if b >= max_tokens), len(buckets) - 1)
+    return buckets[: last + 1]
 
 
 def supports(runner) -> bool:

@@ -28,7 +28,7 @@ def test_steps_through_the_pieces_give_the_plain_passs_tokens(model_dir):
         got = [o.outputs[0].token_ids for o in pieces.generate(prompts_now, PARAMS)]
         assert got == want
     runner = pieces.engine.runner
-    assert runner.pieces.buckets == [BUCKET, 2 * BUCKET]
+    assert runner.pieces.buckets == [16, 32, 64, 128, BUCKET, 2 * BUCKET]
     assert runner.pieces.replays >= 4  # the chunks of the long prompt and the decodes
     assert plain.engine.runner.pieces is None  # by default only CUDA runs them
 
