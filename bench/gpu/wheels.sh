@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${DIR:-.whl}
 # hiredis (Redis replies), xxhash and blake3 (block checksums and tags), jsonschema and
-# its own (bench/gpu/structured.py validates answers with it)
+# its own (bench/gpu/structured.py validates answers with it), httptools (the gateway's HTTP)
 DIR=$dir bash ../shared/tools/gpu-wheels.sh hiredis xxhash blake3 jsonschema \
-  jsonschema-specifications referencing rpds-py attrs
+  jsonschema-specifications referencing rpds-py attrs httptools
 # llguidance's wheels of this version are tagged manylinux_2_31, which gpu-wheels.sh does not
 # ask for (it says "no wheel for llguidance==..."): fetched here with that tag
 v=$(python3 -m pip show llguidance 2>/dev/null | awk '/^Version:/{print $2}')

@@ -101,7 +101,7 @@ class HttpGuard:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and int(length) > self.max_body_bytes:  # h11 checked it
+        if length is not None and int(length) > self.max_body_bytes:  # llhttp checked it
             exc = PayloadTooLarge(too_large(self.max_body_bytes))
             await error_response(exc, close=True)(scope, receive, send)
             return

@@ -200,3 +200,26 @@ def test_a_408_closes_its_connection(guarded_mesh):
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"connection: close" in answer.lower()
     assert not answer.endswith(b"<still open>")
+
+
+def test_an_oversized_or_malformed_head_is_refused_and_pipelined_requests_answered(guarded_mesh):
+    port = _port(guarded_mesh)
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # 100 KiB of headers
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 100_000)
+        except OSError:  # closed while we still sent: read what it said
+            pass
+        answer = _read_until_closed(sock, 10)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    for length in (b"12x", b"4\r\nContent-Length: 5"):  # not a number; two that disagree
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                         + length + b"\r\n\r\n{}")  # fmt: skip
+            answer = _read_until_closed(sock, 10)
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # two requests in one write
+        one = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(one + one[:-2] + b"Connection: close\r\n\r\n")
+        answer = _read_until_closed(sock, 10)
+    assert answer.count(b"HTTP/1.1 200") == 2, answer[:400]
+    assert httpx.get(f"{guarded_mesh.url}/health", timeout=10).status_code == 200
