@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,8 +19,31 @@ from pathlib import Path
 
 from services.common.entry import StartupError
 
+_LOWEST_PORT = 10_000  # below: ports people give services by hand
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source (Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on host now, below the kernel's ephemeral range where there is room:
+    a service started again binds its port again, and in between any outgoing
+    connection may take an ephemeral port as its source (a restarted worker found its
+    port taken so). Else whatever port the kernel gives."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > _LOWEST_PORT + 1000 else 0):
+        port = random.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import httpx
@@ -174,3 +175,13 @@ def test_a_service_without_a_nats_login_is_refused_before_it_starts(tmp_path):
     with pytest.raises(ValueError, match="worker-7 has no NATS login"):
         mesh._spawn("worker-7", "services.decode", ["--model", "unused"])
     assert mesh.children == [] and not (tmp_path / "worker-7.log").exists()
+
+
+def test_free_ports_lie_below_the_range_outgoing_connections_take_theirs_from():
+    """A service started again binds its port again; an outgoing connection in between
+    takes its source port from the ephemeral range, so ports handed out lie below it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(10_000 <= p < low for p in ports), (low, ports)
+    for port in ports:  # each free to bind
+        listen_socket("127.0.0.1", port, "test").close()
