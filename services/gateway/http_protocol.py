@@ -1,8 +1,8 @@
 """The gateway's HTTP/1.1 connections: uvicorn's httptools protocol (llhttp, in C: on
-this project's 2-core machine a streamed token cost the gateway 40-43 µs of CPU
-against 48-51 µs with uvicorn's h11 protocol, bench.mesh_overhead at 64 streams) with
-the limits it lacks, so that no client can hold the gateway's connections, file
-descriptors or memory.
+this project's 2-core machine a streamed token cost the gateway 42-51 µs of CPU against
+48-58 µs with uvicorn's h11 protocol, bench.mesh_overhead at 64 streams, four runs
+each) with the limits it lacks, so that no client can hold the gateway's connections,
+file descriptors or memory.
 
 - **Header timeout**: a connection must send a request's whole head (request line
   and headers) within `header_timeout` seconds of opening, or of its last
