@@ -227,7 +227,7 @@ class ModelRunner:
         width = max(c.intermediate_size, c.moe_intermediate_size * max(1, c.num_experts_per_tok))
         per_token = (8 * c.hidden_size + 4 * width + 2 * (c.q_size + 2 * c.kv_size)) * 4
         reserve = self.config.max_num_batched_tokens * per_token
-        if piece_graphs.wanted(self.config, self.device) and piece_graphs.supports(self):
+        if piece_graphs.applies(self, self.config):
             # their pool and buffers, beside an eager step's
             reserve += min(self.config.max_num_batched_tokens, piece_graphs.MAX_TOKENS) * per_token
         reserve += self.config.max_num_seqs * c.vocab_size * 4 * 4 + (1 << 30)

@@ -45,12 +45,11 @@ SMALLEST = 16
 def token_buckets(max_tokens: int) -> list[int]:
     """Powers of two from SMALLEST below BUCKET, then every BUCKET tokens, up to
     max_tokens rounded up to a bucket, MAX_TOKENS at most."""
-    small, size = [], SMALLEST
+    buckets, size = [], SMALLEST
     while size < BUCKET:
-        small.append(size)
+        buckets.append(size)
         size *= 2
-    top = min(-(-max(1, max_tokens) // BUCKET) * BUCKET, MAX_TOKENS)
-    buckets = small + list(range(BUCKET, top + 1, BUCKET))
+    buckets += range(BUCKET, MAX_TOKENS + 1, BUCKET)
     last = next((i for i, b in enumerate(buckets) if b >= max_tokens), len(buckets) - 1)
     return buckets[: last + 1]
 
@@ -183,10 +182,16 @@ def wanted(config, device: torch.device) -> bool:
     return flag and not config.enforce_eager
 
 
+def applies(runner, config) -> bool:
+    """Whether the runner gets piece graphs: the flag asks for them and the model is one
+    they support (what `make` builds, and what the KV cache's reserve counts)."""
+    return wanted(config, runner.device) and supports(runner)
+
+
 def make(runner, config, max_len: int, host_memory=None):
     """The runner's piece graphs (captured on CUDA), or None where the flag is off or
     the model is not one they support; `max_len`: the decode graphs' length bound."""
-    if not wanted(config, runner.device) or not supports(runner):
+    if not applies(runner, config):
         return None
     pieces = PieceGraphs(runner, config.max_num_batched_tokens)
     split = getattr(runner.backend, "split_mixed_steps", None)
