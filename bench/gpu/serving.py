@@ -9,9 +9,13 @@
    run (random weights of the same shapes: throughput does not depend on the
    values), with the ratio.
 
+With `--third-party`, guidellm (a load generator we did not write) runs on the same
+mesh right after the sweep, at the sweep's finite rates on the same workload, and
+each of its figures is put beside ours (bench/loadgen/guidellm_run.py).
+
 Usage: python -m bench.gpu.serving --out bench/results/serving.json
            [--skip serve offline peer] [--rates 4,8,inf] [--repeat-prompts]
-           [--peer-prompts N]
+           [--peer-prompts N] [--third-party]
 Sections: ceilings, serve, offline, peer. The sweep's own files (per-rate JSON, plots)
 go to the folder named like the JSON without its suffix (bench/results/serving/). The
 peer is the slow part (several minutes for the 1000 prompts), so split the sections
@@ -26,6 +30,7 @@ import time
 from bench.gpu import ceilings
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
+from bench.loadgen import guidellm_run
 from bench.loadgen.datasets import load_tokenizer, random_requests
 from bench.loadgen.engine_bench import run_engine, run_transformers
 from yinian.mesh import Mesh, MeshSpec
@@ -45,6 +50,7 @@ class Workload:
     prompts_per_rate: int
     repeat_prompts: bool = False  # every rate on the first rate's prompts (as before 915c65d)
     engine_flags: tuple[str, ...] = ()  # more flags for the mesh's worker
+    third_party: bool = False  # guidellm on the same mesh at the sweep's finite rates too
 
     def engine(self, device: str) -> dict:
         return {"dtype": "bfloat16" if device == "cuda" else "float32", "device": device,
@@ -76,13 +82,28 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
             "--result-filename", "sweep.json",
         ] + (["--sweep-repeat-requests"] if w.repeat_prompts else []))  # fmt: skip
         seconds = time.monotonic() - start
+        rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in written_runs(out_dir, "sweep")]
+        theirs = third_party(w, folder, mesh.url, rows, out_dir) if w.third_party else None
     finally:
         mesh.stop()
-    rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in written_runs(out_dir, "sweep")]
-    ok = [r for r in rows if r["failed"] == 0 and r["p99_ttft_ms"] is not None
-          and r["p99_ttft_ms"] <= 200 and r["p99_tpot_ms"] <= 50]  # fmt: skip
-    best = max((float(r["request_rate"]) for r in ok), default=None)
-    return {"rc": rc, "seconds": seconds, "sweep": rows, "max_rate_within_slo": best}
+    best = max((float(r["request_rate"]) for r in rows if guidellm_run.within_slo(r)),
+               default=None)  # fmt: skip
+    result = {"rc": rc, "seconds": seconds, "sweep": rows, "max_rate_within_slo": best}
+    return result if theirs is None else result | {"third_party": theirs}
+
+
+def third_party(w: Workload, folder, url: str, ours: list[dict], out_dir) -> dict:
+    """guidellm on the same mesh, after our sweep, at its finite rates; each figure
+    beside ours."""
+    found = guidellm_run.probe()
+    if "error" in found:  # THIRD_PARTY=1 bash bench/gpu/wheels.sh makes .whl_tp to carry
+        return found
+    rates = [float(r["request_rate"]) for r in ours if float(r["request_rate"]) != float("inf")]
+    theirs = guidellm_run.run(url, str(folder), rates, w.prompts_per_rate, w.input_len,
+                              w.output_len, out_dir / "guidellm")  # fmt: skip
+    if "sweep" in theirs:
+        theirs["agreement"] = guidellm_run.agreement(ours, theirs["sweep"])
+    return theirs
 
 
 def peer(w: Workload, folder, requests, device: str, ours: dict | None) -> dict:
@@ -112,6 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "sweep before 915c65d ran")  # fmt: skip
     parser.add_argument("--engine-flags", default="", help="more flags for the mesh's "
                         "worker, one string (--engine-flags=--no-graph-prompt-rows)")  # fmt: skip
+    parser.add_argument(
+        "--third-party",
+        action="store_true",
+        help="guidellm too, on the same "
+        "mesh after the sweep, at its finite rates (bench/loadgen/guidellm_run.py)",
+    )
     parser.add_argument("--peer-prompts", type=int, help="run the peer (and the engine again, "
                         "for the ratio) on the first N prompts only")  # fmt: skip
     args = parser.parse_args(argv)
@@ -123,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts_per_rate=args.prompts_per_rate or w.prompts_per_rate,
         repeat_prompts=args.repeat_prompts,
         engine_flags=tuple(args.engine_flags.split()),
+        third_party=args.third_party,
     )
     with Sections(args, script="serving", preset=w.preset) as section:
         device, out_dir = section.device, args.out.with_suffix("")
@@ -158,6 +186,19 @@ def print_table(results: dict) -> None:
     if "max_rate_within_slo" in serve:
         print("max rate within TTFT p99 <= 200 ms and TPOT p99 <= 50 ms:",
               serve["max_rate_within_slo"])  # fmt: skip
+    theirs = serve.get("third_party") or {}
+    if "error" in theirs:
+        print("guidellm:", theirs["error"])
+    for r in theirs.get("sweep", []):
+        print(f"| guidellm {r['request_rate']} | {r['completed']} | {r['failed']} | "
+              f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
+              f"{r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | "
+              f"{r['p99_tpot_ms']:.2f} |")  # fmt: skip
+    for a in theirs.get("agreement", []):
+        ratios = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
+                           for k, v in a["ratio_theirs_to_ours"].items())  # fmt: skip
+        print(f"rate {a['request_rate']}: guidellm/ours {ratios}; within 10%: "
+              f"{a['all_within_10pct']}")  # fmt: skip
 
 
 if __name__ == "__main__":

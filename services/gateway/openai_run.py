@@ -62,12 +62,15 @@ async def serve(
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
     obfuscate = bool(options and options.include_obfuscation)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    stats = [RunStats(prompt_tokens=len(p.prompt_ids)) for p in preps]
 
     def sse(chunk: dict) -> str:
+        if continuous:
+            chunk["usage"] = fmt.usage(stats)
         return fmt.sse(fmt.obfuscated(chunk) if obfuscate else chunk)
 
     async def stream():
-        stats = [RunStats() for _ in preps]
         with request_span(core, route, first, tenant, req):
             for chunk in opening:
                 yield sse(chunk)

@@ -55,6 +55,8 @@ class StrictBody(BaseModel):
 class StreamOptions(StrictBody):
     include_usage: bool = False
     include_obfuscation: bool = False  # random padding on each chunk (length side channel)
+    # every chunk also carries the usage so far (with include_usage; vLLM's extension)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(StrictBody):

@@ -140,6 +140,15 @@ def test_openai_client(mesh, reference):
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == chat.choices[0].message.content
+    # continuous_usage_stats (as benchmark clients send it): every chunk counts so far
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counted = list(client.chat.completions.create(
+        **hi, temperature=0, stream=True, stream_options=options, extra_body={"ignore_eos": True}
+    ))  # fmt: skip
+    prompt_tokens = {c.usage.prompt_tokens for c in counted}
+    assert prompt_tokens == {chat.usage.prompt_tokens}, prompt_tokens
+    made = [c.usage.completion_tokens for c in counted]
+    assert made == sorted(made) and made[0] == 0 and made[-1] == 5 and len(set(made)) > 2, made
 
     free = client.completions.create(
         model="tiny-llama", prompt="The quick brown fox", max_tokens=16, temperature=0
