@@ -12,10 +12,12 @@ budget=$1
 shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-# guidellm's (THIRD_PARTY=1 bash bench/gpu/wheels.sh), where the call carries them
+# guidellm's (THIRD_PARTY=1 bash bench/gpu/wheels.sh), where the call carries them, in a
+# folder of their own (a second --upgrade --target into /tmp/site replaced its bin/, and
+# nats-server with it)
 [ -d .whl_tp ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl_tp/*.whl >/dev/null 2>&1 || echo "guidellm install failed"; }
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+  --target /tmp/site_tp .whl_tp/*.whl >/dev/null 2>&1 || echo "guidellm install failed"; }
+export PYTHONPATH=/tmp/site:$PWD:/tmp/site_tp PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=$PWD/.kcache/triton YINIAN_KERNEL_CACHE=$PWD/.kcache/select
 mkdir -p .kcache
 [ -f .kcache.tgz ] && tar xzf .kcache.tgz

@@ -163,11 +163,14 @@ def ttft_by_tier(
     # before the first token is read back
     out["gpu_one_token_ms"] = [_first_token(mesh, prompt, model, 1)["ttft_ms"]
                                for _ in range(REPEATS)]  # fmt: skip
+    since_short = time.time_ns()
     short = [_first_token(mesh, SHORT_PROMPT, model, 1)["ttft_ms"] for _ in range(SHORT_REPEATS)]
     out["short_prompt_ms"], out["short_prompt_all_ms"] = sorted(short)[len(short) // 2], short
-    if traces is not None:  # where a device hit's time goes, service by service
+    if traces is not None:  # where a device hit's (and a short prompt's) time goes
         time.sleep(1.0)  # the services' span batches
-        out["gpu_stages"] = stages([s for s in traces.snapshot() if s.start_ns >= since])
+        spans = traces.snapshot()
+        out["gpu_stages"] = stages([s for s in spans if since <= s.start_ns < since_short])
+        out["short_stages"] = stages([s for s in spans if s.start_ns >= since_short])
     if profile:
         names = ["worker-0", "gateway", "scheduler"]
         with Profile(children(mesh, names), PROFILE_SECONDS) as p:

@@ -196,8 +196,9 @@ def print_table(results: dict) -> None:
         print("shared tier fetched by path:", json.dumps(tiers.get("shared_fetched_by_path")))
         print("answer as recomputed:", json.dumps(tiers.get("same_as_none")),
               "as the device hit:", json.dumps(tiers.get("same_as_gpu")))  # fmt: skip
-        for stage, row in (tiers.get("gpu_stages") or {}).items():
-            print(f"  device hit: {stage:44} +{row['start_ms']:7.2f} ms  {row['ms']:7.2f} ms")
+        for what, key in (("device hit", "gpu_stages"), ("3 tokens", "short_stages")):
+            for stage, row in (tiers.get(key) or {}).items():
+                print(f"  {what}: {stage:44} +{row['start_ms']:7.2f} ms  {row['ms']:7.2f} ms")
     cross = results.get("cross_worker") or {}
     if "other" in cross:
         print(
