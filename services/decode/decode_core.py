@@ -25,6 +25,7 @@ class RequestTiming:
     first_token: float | None = None
     finished: float | None = None
     second_token: float | None = None  # the first token the decode step itself made
+    first_received: float | None = None  # the first token's output reached this loop
     output_tokens: int = 0
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -120,6 +121,8 @@ def _record(timing: RequestTiming, out: RequestOutput) -> None:
     timing.finished = m.finished_time
     before = timing.output_tokens
     timing.output_tokens += sum(len(c.token_ids) for c in out.outputs)  # delta outputs
+    if before == 0 < timing.output_tokens:
+        timing.first_received = time.monotonic()
     if before <= 1 < timing.output_tokens and timing.second_token is None:
         timing.second_token = time.monotonic()
     timing.cached_tokens = out.num_cached_tokens

@@ -151,6 +151,8 @@ def stage_spans(worker_id: str, span, timing: RequestTiming) -> None:
         timing.first_token,
         **{"yinian.cached_tokens": timing.cached_tokens},
     )
+    # the engine thread's first token until the service's loop has it (a wake-up, the GIL)
+    stage_span(_tracer, "handover", span, timing.first_token, timing.first_received)
     stage_span(
         _tracer,
         "decode",

@@ -67,7 +67,7 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
             ids.append(resp.json()["id"])
 
     expected = {"gateway.request", "placement", "worker.stream", "worker.generate", "queue",
-                "prefill", "decode", "detokenize"}  # fmt: skip
+                "prefill", "handover", "decode", "detokenize"}  # fmt: skip
     services = {"yinian-gateway", "yinian-colocated"}
     if placer == "scheduler":  # a call to it
         expected.add("scheduler.place")
@@ -112,7 +112,8 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
             assert placement.attributes["yinian.placed_by"] == "gateway"
         assert parent("worker.stream") == "gateway.request"
         assert parent("worker.generate") == "worker.stream"
-        assert {parent(n) for n in ("queue", "prefill", "decode")} == {"worker.generate"}
+        stages = ("queue", "prefill", "handover", "decode")
+        assert {parent(n) for n in stages} == {"worker.generate"}
         assert parent("detokenize") == "worker.stream"
         attrs = request.attributes
         assert attrs["yinian.request_id"] == rid and attrs["gen_ai.usage.input_tokens"] > 0
