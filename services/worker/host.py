@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 from engine import AsyncLLM
@@ -72,6 +73,7 @@ class WorkerHost:
     def __init__(self, config: WorkerSettings, service_name: str):
         self.config = config
         self.draining = False  # SIGTERM came: out of placement, finishing its streams
+        sys.setswitchinterval(config.switch_interval)
         setup_tracing(service_name)
         options = dict(config.engine_options)
         if config.kvstore and config.kv_write_through in ("prefix", "all"):

@@ -63,6 +63,12 @@ class WorkerSettings(TlsSettings):
         "device: this worker maps that tier and (on CUDA) pins it after start (seconds, and "
         "as much host memory as the tier); --no-kv-lend: they come through the host tier",
     )
+    switch_interval: float = setting(
+        0.005,
+        "seconds a thread asking for the GIL waits before the running one must give it up "
+        "(sys.setswitchinterval; 0.005 is Python's): the engine's thread and the service's "
+        "loop share the interpreter, so this bounds how long either waits for the other",
+    )
     drain_timeout: float = setting(
         30.0,
         "on SIGTERM, seconds the worker, already out of placement, lets its streams finish "
@@ -104,6 +110,8 @@ class WorkerSettings(TlsSettings):
             raise ValueError("kv_write_queue_bytes must be >= 0")
         if self.load_interval <= 0:
             raise ValueError("load_interval must be > 0")
+        if not 0 < self.switch_interval <= 1:
+            raise ValueError("switch_interval must be > 0 and at most 1 second")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
         if self.expert_fallback not in FALLBACKS or self.expert_timeout <= 0:
