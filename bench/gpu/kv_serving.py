@@ -55,6 +55,7 @@ from bench.gpu.kv_serving_compare import (
     run_names,
 )
 from bench.gpu.kv_serving_requests import pooled_requests, print_pooled_requests
+from bench.gpu.mesh_warmup import warm_up
 from bench.gpu.models import preset_folder
 from bench.gpu.py_profile import Profile, children
 from bench.gpu.sections import Sections, script_parser
@@ -128,14 +129,8 @@ def sweep(load: Load, folder, device: str, out_dir, name: str, profile: bool = F
         # 16 GiB): the warm-up and the sweep start after it, as a mesh serving for long would
         mapped = wait_store_mapped(mesh) if kvstore and "--no-kv-lend" not in worker_extra else 0.0
         top = load.rates.split(",")[-1]
-        bench_run([  # the warm-up: other prompts (a seed no rate of the sweep uses), not recorded
-            "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", load.preset,
-            "--dataset-name", "random", "--num-prompts", str(load.warmup_prompts), "--seed", "1000",
-            "--random-input-len", str(load.input_len), "--random-output-len",
-            str(load.output_len), "--prompt-format", "ids", "--request-rate", top,
-            "--disable-tqdm", "--no-plots", "--result-dir", str(out_dir),
-            "--result-filename", f"{name}-warmup.json",
-        ])  # fmt: skip
+        warm_up(mesh.url, folder, load.preset, load.warmup_prompts, load.input_len,
+                load.output_len, top, out_dir, f"{name}-warmup.json")  # fmt: skip
         before = _written(mesh)
         tunings = _log_lines(mesh, TUNED)
         start = time.monotonic()

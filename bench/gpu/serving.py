@@ -28,6 +28,7 @@ import dataclasses
 import time
 
 from bench.gpu import ceilings
+from bench.gpu.mesh_warmup import warm_up
 from bench.gpu.models import preset_folder
 from bench.gpu.sections import Sections, script_parser
 from bench.loadgen import guidellm_run
@@ -76,14 +77,8 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
         # as a mesh serving for long: its store's memory tier pinned, its kernels chosen
         wait_store_mapped(mesh)
         finite = [r for r in w.rates.split(",") if r != "inf"]
-        bench_run([  # the warm-up: other prompts (a seed no rate uses), not recorded
-            "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", w.preset,
-            "--dataset-name", "random", "--num-prompts", str(min(64, w.prompts_per_rate)),
-            "--seed", "1000", "--random-input-len", str(w.input_len), "--random-output-len",
-            str(w.output_len), "--prompt-format", "ids",
-            "--request-rate", finite[-1] if finite else "inf", "--disable-tqdm", "--no-plots",
-            "--result-dir", str(out_dir), "--result-filename", "warmup.json",
-        ])  # fmt: skip
+        warm_up(mesh.url, folder, w.preset, min(64, w.prompts_per_rate), w.input_len,
+                w.output_len, finite[-1] if finite else "inf", out_dir, "warmup.json")  # fmt: skip
         start = time.monotonic()
         rc = bench_run([
             "serve", "--base-url", mesh.url, "--model", str(folder), "--model-name", w.preset,
@@ -107,13 +102,11 @@ def serve_sweep(w: Workload, folder, device: str, out_dir) -> dict:
 def third_party(w: Workload, folder, url: str, ours: list[dict], out_dir) -> dict:
     """guidellm on the same mesh, after our sweep, at its finite rates; each figure
     beside ours."""
-    found = guidellm_run.probe()
-    if "error" in found:  # THIRD_PARTY=1 bash bench/gpu/wheels.sh makes .whl_tp to carry
-        return found
     rates = [float(r["request_rate"]) for r in ours if float(r["request_rate"]) != float("inf")]
+    # an error where guidellm does not run here (THIRD_PARTY=1 bench/gpu/wheels.sh: .whl_tp)
     theirs = guidellm_run.run(url, str(folder), rates, w.prompts_per_rate, w.input_len,
                               w.output_len, out_dir / "guidellm")  # fmt: skip
-    if "sweep" in theirs:
+    if "error" not in theirs:
         theirs["agreement"] = guidellm_run.agreement(ours, theirs["sweep"])
     return theirs
 

@@ -83,12 +83,16 @@ def _stat(metrics: dict, name: str, which: str) -> float | None:
     return summary["median"] if which == "median" else summary["percentiles"][which]
 
 
+def _every(bench: dict) -> list[dict]:
+    """A benchmark's requests: the successful first, then the errored and incomplete."""
+    requests = bench["requests"]
+    return sum((requests.get(k) or [] for k in ("successful", "errored", "incomplete")), [])
+
+
 def on_schedule(report: dict) -> bool:
     """Whether every benchmark's arrivals were timed from its start (see above)."""
     for bench in report["benchmarks"]:
-        requests = bench["requests"]
-        every = sum((requests.get(k) or [] for k in ("successful", "errored", "incomplete")), [])
-        targets = [r["info"]["timings"].get("targeted_start") for r in every]
+        targets = [r["info"]["timings"].get("targeted_start") for r in _every(bench)]
         if any(t is None or t < bench["start_time"] - 1.0 for t in targets):
             return False
     return True
@@ -98,9 +102,8 @@ def rows_of(report: dict) -> list[dict]:
     """One row a benchmark (rate) of a guidellm JSON report, with our sweep's keys."""
     rows = []
     for bench in report["benchmarks"]:
-        m, requests = bench["metrics"], bench["requests"]
-        done = requests.get("successful") or []
-        every = done + (requests.get("errored") or []) + (requests.get("incomplete") or [])
+        m, every = bench["metrics"], _every(bench)
+        done = bench["requests"].get("successful") or []
         timings = [r["info"]["timings"] for r in every]
         starts = [t["request_start"] for t in timings if t.get("request_start")]
         ends = [t["request_end"] for t in timings if t.get("request_end")]
@@ -135,17 +138,17 @@ def run(url: str, tokenizer: str, rates: list[float], count: int, input_len: int
         output_len: int, out_dir: Path, timeout: float | None = None) -> dict:  # fmt: skip
     """guidellm against `url` at each rate, one invocation a rate; its rows and the
     highest rate within the SLOs by its figures (or the first failure's output)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model, env = served_model(url), dict(os.environ, GUIDELLM__MAX_WORKER_PROCESSES="1")
     result: dict = probe() | {"argv": [], "seconds": 0.0, "sweep": []}
     if "error" in result:
         return result
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, env = served_model(url), dict(os.environ, GUIDELLM__MAX_WORKER_PROCESSES="1")
     for rate in rates:
         report = out_dir / f"guidellm-rate{rate:g}.json"
         argv = command(url, model, tokenizer, rate, count, input_len, output_len, report)
         result["argv"].append(argv[1:])
-        attempts, parsed = 0, None
-        while attempts < ATTEMPTS and (parsed is None or not on_schedule(parsed)):
+        attempts, on_time = 0, False
+        while attempts < ATTEMPTS and not on_time:
             attempts += 1
             report.unlink(missing_ok=True)
             start = time.monotonic()
@@ -155,9 +158,10 @@ def run(url: str, tokenizer: str, rates: list[float], count: int, input_len: int
                 return result | {"rc": proc.returncode,
                                  "error": (proc.stderr or proc.stdout)[-2000:]}  # fmt: skip
             parsed = json.loads(report.read_text())
+            on_time = on_schedule(parsed)
         rows = rows_of(parsed)
         for row in rows:
-            row |= {"attempts": attempts, "on_schedule": on_schedule(parsed)}
+            row |= {"attempts": attempts, "on_schedule": on_time}
         result["sweep"] += rows
     timed = [r for r in result["sweep"] if r["on_schedule"]]
     best = max((float(r["request_rate"]) for r in timed if within_slo(r)), default=None)
