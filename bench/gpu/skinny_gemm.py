@@ -1,8 +1,11 @@
 """Decode's projections, a few rows against a weight matrix, on one GPU: torch's
 matmul (cuBLAS) against the Triton kernels of kernels/skinny_linear.py (`fma`: rows
 summed in registers, up to 4 rows; `dot`: tl.dot on rows padded to 16), each as a
-fraction of the copy bandwidth over the bytes it must read, every config timed.
-An experiment: a kernel serves the engine only where it reads faster here.
+fraction of the copy bandwidth over the bytes it must read, every config timed with
+the weight out of the L2 cache (as a decode step reads it, and as the engine's tuner
+times them: `torch_hot_ms` is cuBLAS back to back, a weight of up to the L2's size
+then read from the cache). An experiment: a kernel serves the engine only where it
+reads faster here.
 
 Why: DeepSeek-V2-Lite's batch-1 step spends 1.33 ms in such matmuls reading at 0.64
 of the copy bandwidth (bench/results/v2lite_profile_s73.json), and the dense default
@@ -22,7 +25,7 @@ import torch
 
 from bench.gpu.ceilings import measure
 from bench.gpu.sections import Sections, script_parser
-from bench.gpu.timing import queued_ms
+from bench.gpu.timing import cold_ms, queued_ms
 from kernels.skinny_linear import (
     DOT_SWEEP,
     FMA_MAX_ROWS,
@@ -70,10 +73,12 @@ def one_shape(name: str, n: int, k: int, m: int, sizes: dict, copy: float, devic
     want = x.float() @ w.float().T
     nbytes = (n * k + m * k + m * n) * w.element_size()
     row = {"shape": name, "rows": m, "n": n, "k": k, "bytes": nbytes}
-    row["torch_ms"] = queued_ms(lambda: x @ w.T, device)
+    row["torch_ms"] = cold_ms(lambda: x @ w.T, device)
+    row["torch_hot_ms"] = queued_ms(lambda: x @ w.T, device)
     fraction = (lambda ms: nbytes / (ms * 1e-3) / (copy * 1e9)) if copy else (lambda ms: None)
     row["torch_fraction_of_copy"] = fraction(row["torch_ms"])
-    line = f"{name} M={m}: torch {row['torch_ms'] * 1e3:.1f} us"
+    line = (f"{name} M={m}: torch {row['torch_ms'] * 1e3:.1f} us "
+            f"(back to back {row['torch_hot_ms'] * 1e3:.1f})")  # fmt: skip
     for kernel, (fn, configs) in sizes["kernels"].items():
         best = None
         for cfg in configs:
@@ -85,7 +90,7 @@ def one_shape(name: str, n: int, k: int, m: int, sizes: dict, copy: float, devic
                 row.setdefault("failed", []).append({kernel: cfg, "error": repr(error)[:200]})
                 continue
             err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            ms = queued_ms(lambda f=fn, c=cfg: f(x, w, out, **c), device)
+            ms = cold_ms(lambda f=fn, c=cfg: f(x, w, out, **c), device)
             if best is None or ms < best["ms"]:
                 best = {"config": cfg, "ms": ms, "max_rel_error": err,
                         "speedup": row["torch_ms"] / ms,

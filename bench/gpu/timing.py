@@ -6,7 +6,10 @@
   runs decode; None on the CPU.
 * `queued_ms`: back-to-back calls queued while the GPU is held busy
   (`kernels.selection.cuda_timer`), so the host's launch cost stays out, as inside a
-  graph; the kernel tuner times candidates the same way.
+  graph; the kernel tuner times most candidates the same way.
+* `cold_ms`: each call alone with the L2 cache overwritten first, queued while the GPU is
+  held busy (`kernels.selection.cold_cuda_timer`): how the tuner times the decode
+  projections, whose weights a step reads once.
 
 On the CPU every timer is `median_ms` with few repetitions: a dry run checks that
 the code runs, not how fast.
@@ -74,3 +77,13 @@ def queued_ms(fn: Callable[[], object], device="cuda", sample_ms: float = 3.0,
     from kernels.selection import cuda_timer
 
     return cuda_timer(fn, warmup=1, reps=rounds, sample_ms=sample_ms)
+
+
+def cold_ms(fn: Callable[[], object], device="cuda", rounds: int = 15) -> float:
+    """GPU milliseconds of one call with its inputs out of the L2 cache: the median of
+    `rounds` calls, each after the cache is overwritten."""
+    if not _cuda(device):
+        return median_ms(fn, device)
+    from kernels.selection import cold_cuda_timer
+
+    return cold_cuda_timer(fn, warmup=1, reps=rounds)
