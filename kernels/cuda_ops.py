@@ -22,14 +22,13 @@ def register() -> None:
     from kernels.moe_routing import moe_route
     from kernels.norm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary, rotary_cache_write
-    from kernels.skinny_linear import linear, silu_linear
+    from kernels.skinny_linear import linear
 
     for fn in (
         linear,
         rms_norm,
         fused_add_rms_norm,
         silu_and_mul,
-        silu_linear,
         apply_rotary,
         rotary_cache_write,
         moe_route,

@@ -57,10 +57,6 @@ def silu_and_mul(gate_up):
     return _pick("silu_and_mul", gate_up)(gate_up)
 
 
-def silu_linear(gate_up, w):
-    return _pick("silu_linear", gate_up)(gate_up, w)
-
-
 def apply_rotary(q, k, positions, cos_sin):
     return _pick("apply_rotary", q)(q, k, positions, cos_sin)
 

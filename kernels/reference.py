@@ -88,11 +88,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x.to(w.dtype) if x.dtype != w.dtype else x, w, bias)
 
 
-def silu_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """An MLP's down projection of silu(gate) * up: linear(silu_and_mul(gate_up), w)."""
-    return linear(silu_and_mul(gate_up), w)
-
-
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

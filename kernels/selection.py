@@ -236,12 +236,11 @@ def cold_cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 15) -
     device = torch.device("cuda", torch.cuda.current_device())
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
     flush = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=device)
-    sink = torch.empty((), dtype=torch.int64, device=device)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    torch.sum(flush, out=sink)
+    flush.sum()
     fn()
     host_s = time.perf_counter() - began
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -249,7 +248,7 @@ def cold_cuda_timer(fn: Callable[[], object], warmup: int = 2, reps: int = 15) -
     if hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(int((2 * reps * host_s + 1e-4) * SLEEP_CYCLES_PER_S))
     for start, end in pairs:
-        torch.sum(flush, out=sink)
+        flush.sum()
         start.record()
         fn()
         end.record()

@@ -11,10 +11,6 @@ one rounding at the end (as cuBLAS rounds):
   a 576-row projection;
 - `dot`: for up to 16 rows, tl.dot on the rows padded to 16.
 
-Either can read an MLP's gate_up [M, 2K] instead of x and form silu(gate) * up as it
-loads each tile (`silu_linear`, the down projection with SiLU-and-mul's kernel folded
-in: one launch and one round trip of the [M, K] activations less a layer).
-
 Whether either beats cuBLAS at a shape is measured (bench.gpu.skinny_gemm), and the
 engine's choice at each shape is timed as a decode step reads the weight: out of the
 L2 cache (`cold_cuda_timer`).
@@ -22,14 +18,11 @@ L2 cache (`cold_cuda_timer`).
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul
 from kernels.selection import Selector, cold_cuda_timer, next_power_of_2
 from kernels.selection_verify import ATTENTION_TOLERANCE, close_outputs
 
@@ -41,21 +34,9 @@ MIXED = {torch.float32: (torch.bfloat16, torch.float16)}
 
 
 @triton.jit
-def _silu_rows(x_ptrs, mask, K: tl.constexpr):
-    """silu(gate) * up of a [rows, k] tile of gate_up ([rows, 2K]: gate, then up), rounded
-    as kernels.activation rounds it (the SiLU, then the product, to the input's dtype)."""
-    gate = tl.load(x_ptrs, mask=mask, other=0.0)
-    up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (silu * up).to(gate.dtype)
-
-
-@triton.jit
 def _skinny_fma_kernel(
     x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,16 +48,13 @@ def _skinny_fma_kernel(
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K:
-            x_mask = offs_m[:, None] < M
+            x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs).to(tl.float32)
         else:
             k_mask = offs_k < K - k * BLOCK_K
-            x_mask = (offs_m[:, None] < M) & k_mask[None, :]
+            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if SILU:
-            x = _silu_rows(x_ptrs, x_mask, K).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            x = x.to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -88,7 +66,7 @@ def _skinny_fma_kernel(
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SILU: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.arange(0, 16)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,16 +78,12 @@ def _skinny_dot_kernel(
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K:
-            x_mask = offs_m[:, None] < M
+            x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_mask = offs_k < K - k * BLOCK_K
-            x_mask = (offs_m[:, None] < M) & k_mask[None, :]
+            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        if SILU:
-            x = _silu_rows(x_ptrs, x_mask, K)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc = tl.dot(x.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -117,55 +91,43 @@ def _skinny_dot_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n < N))
 
 
-def check_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu: bool = False) -> int:
-    """Raises ValueError unless x [M, K] (gate_up [M, 2K] with `silu`), w [N, K] and out
-    [M, N] suit the kernels; returns K."""
+def check_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     rows, k = x.shape
-    k = k // 2 if silu else k
-    if (not 1 <= rows <= MAX_ROWS or w.dim() != 2 or w.shape[1] != k
-            or (silu and x.shape[1] != 2 * k)):  # fmt: skip
-        what = "gate_up [1..{0}, 2K]" if silu else "x [1..{0}, K]"
-        raise ValueError(f"need {what.format(MAX_ROWS)} and w [N, K], got {tuple(x.shape)}, "
+    if not 1 <= rows <= MAX_ROWS or w.dim() != 2 or w.shape[1] != k:
+        raise ValueError(f"need x [1..{MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}")  # fmt: skip
     if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("x, w and out need unit last strides")
-    mixed = () if silu else MIXED.get(w.dtype, ())
-    if out.shape != (rows, w.shape[0]) or x.dtype not in (w.dtype, *mixed):
+    if out.shape != (rows, w.shape[0]) or x.dtype not in (w.dtype, *MIXED.get(w.dtype, ())):
         raise ValueError(f"out must be [{rows}, {w.shape[0]}] and x {w.dtype} (or 16-bit with "
                          f"a float32 w), got {tuple(out.shape)} and {x.dtype}")  # fmt: skip
-    return k
 
 
-def skinny_fma(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_stages: int,
-               silu: bool = False):  # fmt: skip
-    """out [M, N] = x @ w^T for M <= 4 (rows summed in registers); with `silu`, x is
-    gate_up [M, 2K] and the rows are silu(gate) * up (kernels.activation's rounding);
-    returns out."""
-    k = check_skinny(x, w, out, silu)
-    rows = x.shape[0]
+def skinny_fma(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    """out [M, N] = x @ w^T for M <= 4 (rows summed in registers); returns out."""
+    check_skinny(x, w, out)
+    rows, k = x.shape
     if rows > FMA_MAX_ROWS:
         raise ValueError(f"skinny_fma takes at most {FMA_MAX_ROWS} rows, got {rows}")
     n = w.shape[0]
     _skinny_fma_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, rows, n, x.stride(0), w.stride(0), out.stride(0),
         K=k, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k)), SILU=silu,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
 
-def skinny_dot(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_stages: int,
-               silu: bool = False):  # fmt: skip
-    """out [M, N] = x @ w^T for M <= 16 (tl.dot on 16 padded rows); `silu` as in
-    skinny_fma; returns out."""
-    k = check_skinny(x, w, out, silu)
-    rows = x.shape[0]
+def skinny_dot(x, w, out, *, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    """out [M, N] = x @ w^T for M <= 16 (tl.dot on 16 padded rows); returns out."""
+    check_skinny(x, w, out)
+    rows, k = x.shape
     n = w.shape[0]
     _skinny_dot_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, rows, n, x.stride(0), w.stride(0), out.stride(0),
         K=k, BLOCK_N=max(16, block_n), BLOCK_K=max(16, min(block_k, triton.next_power_of_2(k))),
-        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32", SILU=silu,
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -209,8 +171,8 @@ SELECTOR = Selector(
     applies={"fma": _fma_suits},
     # a candidate whose product parts from cuBLAS's is dropped, never chosen
     verify=close_outputs(ATTENTION_TOLERANCE),
-    # timed with the weight out of the L2 cache, as a decode step reads it: the choices
-    # made back to back (revision "") chose cuBLAS for weights the L2 holds
+    # timed with the weight out of the L2 cache, as a decode step reads it: back to back
+    # (the choices of revision ""), weights the L2 holds were read at its speed
     timer=cold_cuda_timer,
     revision="cold",
 )
@@ -229,36 +191,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x.to(w.dtype) if mixed else x, w, bias)
     out = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype, device=x.device)
     return SELECTOR(x, w, out)
-
-
-def _split_silu(gate_up, w, out):
-    """SiLU-and-mul's own kernel, then the projection's chosen kernel (two launches)."""
-    return SELECTOR(silu_and_mul(gate_up), w, out)
-
-
-SILU_SELECTOR = Selector(
-    "skinny_silu_linear",
-    {
-        "split": _split_silu,
-        "fma": partial(skinny_fma, silu=True),
-        "dot": partial(skinny_dot, silu=True),
-    },
-    {"fma": FMA_CONFIGS, "dot": DOT_CONFIGS},
-    _bucket,
-    applies={"fma": _fma_suits},
-    verify=close_outputs(ATTENTION_TOLERANCE),
-    timer=cold_cuda_timer,
-)
-
-
-def silu_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """kernels.reference.silu_linear (linear(silu_and_mul(gate_up), w): an MLP's down
-    projection) for gate_up [T, 2K] and w [N, K]: for 1 to 16 rows on CUDA, the faster of
-    the two kernels apart and the projection kernels above reading silu(gate) * up as
-    they go (one launch and one [T, K] round trip less); anything else apart."""
-    if (gate_up.dim() != 2 or not 1 <= gate_up.shape[0] <= MAX_ROWS or not gate_up.is_cuda
-            or w.dim() != 2 or gate_up.shape[1] != 2 * w.shape[1] or w.device != gate_up.device
-            or gate_up.dtype != w.dtype or gate_up.stride(1) != 1 or w.stride(1) != 1):  # fmt: skip
-        return linear(silu_and_mul(gate_up), w)
-    out = torch.empty(gate_up.shape[0], w.shape[0], dtype=w.dtype, device=w.device)
-    return SILU_SELECTOR(gate_up, w, out)

@@ -76,7 +76,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, width))
 
     def forward(self, x):
-        out = ops.silu_linear(ops.linear(x, self.gate_up_proj), self.down_proj)
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
         return comm.tp_reduce(out)
 
 

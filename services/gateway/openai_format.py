@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
+
+import orjson
 
 from services.gateway.frontend import RunStats, TokenInfo
 from services.gateway.gateway_core import ChoiceResult
@@ -189,6 +190,9 @@ def obfuscated(chunk: dict) -> dict:
     return chunk
 
 
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: the payload's JSON (UTF-8, no ASCII escapes) or the text
+    itself. orjson: a tenth of json.dumps's time on a stream chunk, which every streamed
+    token pays; a non-finite float becomes null (json.dumps wrote NaN, not JSON)."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.activation import silu_and_mul
-from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, silu_linear, skinny_dot, skinny_fma
+from kernels.skinny_linear import DOT_CONFIGS, FMA_CONFIGS, skinny_dot, skinny_fma
 
 CASES = [(1, 37, 70), (3, 20, 130), (4, 9, 33)]  # rows, N, K
 DTYPES = [torch.float32, torch.float16]
@@ -41,31 +40,6 @@ def test_skinny_kernels_match_torch(rows, n, k, dtype):
             got = fn(x, w, out, **cfg)
             assert got is out
             assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (fn.__name__, cfg)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,n,k", CASES)
-def test_silu_folded_in_equals_the_two_kernels_apart(rows, n, k, dtype):
-    # gate_up [rows, 2k]: the down projection reading silu(gate) * up as it loads gives
-    # what SiLU-and-mul's own kernel and then the projection give (the same roundings)
-    gen = torch.Generator(device="cpu").manual_seed(rows + n + k)
-    gate_up = (3 * torch.randn(rows, 2 * k, generator=gen, device="cpu")).to(DEVICE, dtype)
-    _, w, _ = inputs(rows, n, k, dtype, seed=n)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for fn, configs in ((skinny_fma, FMA_CONFIGS[::3]), (skinny_dot, DOT_CONFIGS)):
-        for cfg in configs:
-            apart = fn(silu_and_mul(gate_up), w, torch.empty(rows, n, dtype=dtype), **cfg)
-            folded = fn(gate_up, w, torch.empty(rows, n, dtype=dtype), silu=True, **cfg)
-            assert torch.allclose(folded.float(), apart.float(), atol=tol, rtol=tol), (fn, cfg)
-    want = reference.silu_linear(gate_up.float(), w.float())
-    assert torch.allclose(silu_linear(gate_up, w).float(), want, atol=5 * tol, rtol=5 * tol)
-
-
-def test_silu_folded_in_refuses_a_gate_up_of_the_wrong_width():
-    x, w, _ = inputs(2, 8, 16, torch.float32, seed=3)
-    for width in (16, 31, 34):
-        with pytest.raises(ValueError, match="gate_up"):
-            skinny_dot(torch.zeros(2, width), w, torch.zeros(2, 8), silu=True, **DOT_CONFIGS[0])
 
 
 def test_skinny_kernels_write_a_float32_output_and_strided_rows():
