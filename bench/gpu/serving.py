@@ -37,8 +37,8 @@ from bench.loadgen.engine_bench import run_engine, run_transformers
 from yinian.mesh import Mesh, MeshSpec
 from yinian.mesh_probe import wait_store_mapped
 
-SWEEP_KEYS = ("request_rate", "completed", "failed", "request_throughput", "output_throughput",
-              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+SWEEP_KEYS = ("request_rate", "offered_rate", "completed", "failed", "request_throughput",
+              "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
               "request_goodput")  # fmt: skip
 
 
@@ -180,11 +180,13 @@ def print_table(results: dict) -> None:
     if "transformers" in p:
         print(f"transformers: {p['transformers']['output_tokens_per_s']:.0f} out tok/s; "
               f"ratio {p['ratio_output_tokens_per_s']:.2f}")  # fmt: skip
-    print("| rate | done | fail | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rate | sent/s | done | fail | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | "
+          "TPOT p99 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sent = lambda r: "-" if r.get("offered_rate") is None else f"{r['offered_rate']:.1f}"  # noqa: E731
     serve = results.get("serve") or {}
     for r in serve.get("sweep", []):
-        print(f"| {r['request_rate']} | {r['completed']} | {r['failed']} | "
+        print(f"| {r['request_rate']} | {sent(r)} | {r['completed']} | {r['failed']} | "
               f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
               f"{r['median_ttft_ms']} | {r['p99_ttft_ms']} | {r['median_tpot_ms']} | "
               f"{r['p99_tpot_ms']} |")  # fmt: skip
@@ -195,7 +197,7 @@ def print_table(results: dict) -> None:
     if "error" in theirs:
         print("guidellm:", theirs["error"])
     for r in theirs.get("sweep", []):
-        print(f"| guidellm {r['request_rate']} | {r['completed']} | {r['failed']} | "
+        print(f"| guidellm {r['request_rate']} | {sent(r)} | {r['completed']} | {r['failed']} | "
               f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
               f"{r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | "
               f"{r['p99_tpot_ms']:.2f} |")  # fmt: skip

@@ -23,7 +23,10 @@ Its figures, as this module reads them: TTFT from its `time_to_first_token_ms`;
 TPOT from its `inter_token_latency_ms` (a request's time after its first token
 over its further tokens: our TPOT's definition; its own `time_per_output_token_ms`
 counts the first token's wait too); throughput over the span from its first
-request's start to its last request's end.
+request's start to its last request's end; the offered rate from its requests'
+starts (`metrics.offered_rate`, as ours), compared first: two clients' figures at
+one named rate say little unless they sent the same load (stop 82's H100 sweep: at
+"24" guidellm sent 26.5 requests a second and our client 21.2).
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.loadgen.metrics import offered_rate
+
 SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0}
 # the figures compared with ours, and the one relative difference counted as agreeing
-COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+COMPARED = ("offered_rate", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
 TOLERANCE = 0.10
 ATTEMPTS = 4
 
@@ -113,6 +119,7 @@ def rows_of(report: dict) -> list[dict]:
         )
         row = {
             "request_rate": bench["config"]["strategy"]["rate"],
+            "offered_rate": offered_rate(starts),
             "completed": len(done),
             "failed": len(every) - len(done),
             "request_throughput": len(done) / span if span else None,

@@ -79,6 +79,14 @@ def _peaks(results: list[RequestResult], t0: float) -> tuple[float, int]:
     return peak_tps, peak
 
 
+def offered_rate(start_times: list[float]) -> float | None:
+    """Requests a second as they were sent: the gaps between the first and the last send
+    over the time between them (a client's schedule, not the server's pace)."""
+    if len(start_times) < 2 or max(start_times) <= min(start_times):
+        return None
+    return (len(start_times) - 1) / (max(start_times) - min(start_times))
+
+
 def compute_metrics(
     results: list[RequestResult],
     duration_s: float,
@@ -116,6 +124,7 @@ def compute_metrics(
         "failed": len(results) - len(ok),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "offered_rate": offered_rate([r.start_time for r in results]),
         "request_throughput": len(ok) / dur,
         "request_goodput": good / dur if goodput else None,
         "output_throughput": total_out / dur,

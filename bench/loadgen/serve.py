@@ -4,11 +4,13 @@ Requests are sent on a seeded arrival schedule (a trace's requests at their own
 times, whatever the rate): all at once for rate inf,
 else gaps drawn from a gamma distribution with shape `burstiness` and mean
 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
-in vLLM. `max_concurrency` caps requests in flight with a semaphore. A
-multi-turn request waits for its conversation's previous turn to finish;
-`max_active_conversations` caps the conversations under way (one starts when
-one has sent its last turn), so that its users come back while their history
-is fresh, instead of every user's first turn before any second turn. With
+in vLLM, scaled so that the run offers the rate it names (`arrival_offsets`);
+each result reports the rate its sends kept (`offered_rate`). `max_concurrency`
+caps requests in flight with a semaphore. A multi-turn request waits for its
+conversation's previous turn to finish; `max_active_conversations` caps the
+conversations under way (one starts when one has sent its last turn), so that
+its users come back while their history is fresh, instead of every user's first
+turn before any second turn. With
 conversations the schedule paces sends, not list positions: a turn that is
 ready (its previous turn done, its conversation under way) takes the
 schedule's next free time, so at rate R turns go out at R a second in the
@@ -70,13 +72,21 @@ class ServeConfig:
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Send times in seconds from the start: the first at 0, then gamma gaps with mean 1/rate."""
+    """Send times in seconds from the start: the first at 0, then gamma gaps (shape
+    `burstiness`: 1 is Poisson), scaled so that the n - 1 gaps span (n - 1) / rate: the
+    run offers the rate it names whatever the draw (the arrivals of a Poisson process
+    given their count in that span). Drawn as they come, one seed's draw is one
+    sweep-wide bias: every rate is a scaled copy of the same gaps, and stop 82's draw
+    for 320 requests offered 0.88 of each rate named (14.2 requests a second at "16",
+    28.3 at "32")."""
     if rate <= 0 or burstiness <= 0:
         raise ValueError("request rate and burstiness must be > 0")
     if math.isinf(rate) or n == 0:
         return np.zeros(n)
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
+    if n > 1:
+        gaps *= (n - 1) / rate / gaps.sum()
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
@@ -311,6 +321,7 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
     """The run's headline numbers, laid out like vLLM's serving result block."""
     rows = [
         ("Request rate (req/s)", f"{result['request_rate']:g}"),
+        ("Offered rate, as sent (req/s)", _ms(result.get("offered_rate"))),
         ("Max concurrency", result["max_concurrency"] or "-"),
         ("Successful requests", result["completed"]),
         ("Failed requests", result["failed"]),
@@ -347,7 +358,7 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
 
 
 def print_sweep_table(results: list[dict]) -> None:
-    head = f"{'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+    head = f"{'rate':>6} {'sent/s':>7} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
     head += f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
     lines = [head]
     for r in results:
@@ -355,7 +366,8 @@ def print_sweep_table(results: list[dict]) -> None:
             r.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
         ]
         lines.append(
-            f"{r['request_rate']:>6g} {r['completed']:>5} {r['failed']:>5} "
+            f"{r['request_rate']:>6g} {_ms(r.get('offered_rate')):>7} "
+            f"{r['completed']:>5} {r['failed']:>5} "
             f"{r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
             + " ".join(f"{_ms(c):>9}" for c in cells)
         )

@@ -347,6 +347,11 @@ def test_poisson_arrivals_have_mean_gap_one_over_rate():
     assert bursty.std() / bursty.mean() == pytest.approx(0.5, rel=0.1)  # gamma: CV 1/sqrt(k)
     assert np.array_equal(offsets, arrival_offsets(4000, 50.0, 1.0, seed=3))  # seeded
     assert not arrival_offsets(5, math.inf).any()
+    # whatever the draw, the run offers the rate named: n - 1 gaps span (n - 1) / rate
+    for seed in range(20):
+        few = arrival_offsets(320, rate=24.0, seed=seed)
+        assert few[-1] == pytest.approx(319 / 24.0, rel=1e-9)
+        assert np.diff(few).min() >= 0 and np.diff(few).std() / np.diff(few).mean() > 0.7
 
 
 def test_requests_are_sent_on_the_seeded_schedule(server, tok_dir, tmp_path):
@@ -359,6 +364,7 @@ def test_requests_are_sent_on_the_seeded_schedule(server, tok_dir, tmp_path):
     expected = arrival_offsets(30, 40.0, 1.0, seed=7)
     sent = np.asarray(r["start_times"])
     assert np.abs(sent - expected).max() < 0.02
+    assert r["offered_rate"] == pytest.approx(40.0, rel=0.05)  # the rate named, as sent
     assert np.diff(sent).mean() == pytest.approx(np.diff(expected).mean(), rel=0.1)
 
 
