@@ -6,7 +6,10 @@ its next request when its last one ends; at least --min-requests requests a
 concurrency).
 
 First the floor under each hop on this machine (bench/grpc_floor.py: a bare
-unary gRPC round trip between two processes, busy and idle). Per concurrency:
+unary gRPC round trip between two processes, busy and idle; bench/http_floor.py:
+a streamed POST's first event from a bare FastAPI app on the gateway's server
+stack): a lone request through the mesh makes both hops, the engine alone
+neither. Per concurrency:
 time to first token (send → the first chunk that carries a
 token) and time per output token after it (the rest of the stream over the
 tokens after the first), percentiles over every request, the engine alone and
@@ -46,7 +49,7 @@ from pathlib import Path
 import h11
 import psutil
 
-from bench import grpc_floor
+from bench import grpc_floor, http_floor
 from bench.otlp_receiver import OtlpReceiver, stages
 from bench.reliability.chaos import tiny_model
 from engine import SamplingParams
@@ -228,7 +231,8 @@ def run(args, folder: Path) -> dict:
                "rounds": args.rounds, "by_concurrency": []}  # fmt: skip
     # the floor under each hop on this machine, in the same run
     results["grpc_floor"] = grpc_floor.measure(args.floor_calls)
-    print(json.dumps({"grpc_floor": results["grpc_floor"]}), flush=True)
+    results["http_floor"] = http_floor.measure(args.floor_calls)
+    print(json.dumps({k: results[k] for k in ("grpc_floor", "http_floor")}), flush=True)
     traces = OtlpReceiver().start() if args.traces else None
     env = {} if traces is None else {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint,
                                      "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip

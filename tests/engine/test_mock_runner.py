@@ -79,7 +79,7 @@ def test_a_mesh_of_mock_workers_streams_and_reports_its_kv_blocks(model_dir):
 
 
 def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
-    """bench/mesh_overhead.py's dry run: the gRPC floor was timed, every stream got
+    """bench/mesh_overhead.py's dry run: the gRPC and HTTP floors were timed, every stream got
     all its tokens, alone and through the mesh, and each service's CPU use was read."""
     from bench.mesh_overhead import main
 
@@ -88,6 +88,8 @@ def test_the_mesh_overhead_benchmark_runs_on_the_cpu(tmp_path):
                     "--output-len", "8", "--long-output-len", "24",
                     "--min-requests", "0", "--floor-calls", "20", "--out", str(out)])  # fmt: skip
     assert 0 < results["grpc_floor"]["busy_p50_ms"] < 1000
+    floor = results["http_floor"]
+    assert 0 < floor["busy_p50_ms"] <= floor["busy_p99_ms"] < 1000 and floor["idle_p50_ms"] > 0
     assert [r["concurrency"] for r in results["by_concurrency"]] == [1, 4]
     for row in results["by_concurrency"]:
         assert row["engine"]["requests"] == row["mesh"]["requests"] == 2 * row["concurrency"]
