@@ -3,6 +3,7 @@ OTLP by each process and received here."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -62,7 +63,7 @@ def test_one_trace_per_request_across_processes(traced_mesh, stream):
         assert resp.status_code == 200
         if stream:
             first = next(line for line in resp.text.splitlines() if line.startswith("data: {"))
-            ids.append(first.split('"id": "')[1].split('"')[0])
+            ids.append(json.loads(first.removeprefix("data: "))["id"])
         else:
             ids.append(resp.json()["id"])
 
