@@ -6,7 +6,9 @@ For each batch: wall time per step, GPU kernel time per step (the sum of the
 kernels' durations; wall minus that is time the GPU sat idle), the time per
 step of each kernel family (matrix products, attention, norms, experts, ...),
 the bytes of weights a token reads (a mixture of experts: its top-k) against the
-time of the kernels that read them, and the kernels that take the most time.
+time of the kernels that read them, the step against its roofline bound (the weights
+and every sequence's KV read once, over the copy bandwidth: `step_over_bound`), and
+the kernels that take the most time.
 
 Usage: python -m bench.gpu.decode_profile --out bench/results/decode_profile.json
            [--preset NAME]
@@ -152,10 +154,19 @@ def main(argv: list[str] | None = None) -> dict:
             floor = weight_bytes / (copy["copy_gbps"] * 1e9) * 1e3
             return {"weight_bytes": weight_bytes, "floor_ms_per_step_batch1": floor}
 
-        section("model", model)
+        weights = section("model", model)
+
+        def batch_section(batch: int, context: int) -> dict:
+            out = profile_batch(llm(), batch, context, steps)
+            if weights and copy:  # the step's roofline: every weight and each sequence's KV read
+                kv = batch * context * llm().engine.runner.kv_spec.bytes_per_token
+                bound = (weights["weight_bytes"] + kv) / (copy["copy_gbps"] * 1e9) * 1e3
+                out |= {"kv_bytes_read": kv, "bound_ms_per_step": bound,
+                        "step_over_bound": out["wall_ms_per_step"] / bound}  # fmt: skip
+            return out
+
         for batch, context in batches:
-            section(f"batch_{batch}",
-                    lambda b=batch, c=context: profile_batch(llm(), b, c, steps))  # fmt: skip
+            section(f"batch_{batch}", lambda b=batch, c=context: batch_section(b, c))
         print_summary(section.results)
         return section.results
 
@@ -168,7 +179,8 @@ def print_summary(results: dict) -> None:
         print(f"batch {r['batch']}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels "
               f"{r['kernel_ms_per_step']:.2f} ms ({r['kernels_per_step']:.0f} launches), idle "
               f"{r['idle_ms_per_step']:.2f} ms; {fam}; matmuls read weights at "
-              f"{r['matmul_weight_gbps'] or 0:.0f} GB/s")  # fmt: skip
+              f"{r['matmul_weight_gbps'] or 0:.0f} GB/s; {r.get('step_over_bound', 0):.2f}x the "
+              f"bound of its weight and KV reads")  # fmt: skip
         for k in r["top_kernels"][:12]:
             print(f"   {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f}  {k['name'][:90]}")
 
