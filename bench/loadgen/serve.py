@@ -77,8 +77,8 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     run offers the rate it names whatever the draw (the arrivals of a Poisson process
     given their count in that span). Drawn as they come, one seed's draw is one
     sweep-wide bias: every rate is a scaled copy of the same gaps, and stop 82's draw
-    for 320 requests offered 0.88 of each rate named (14.2 requests a second at "16",
-    28.3 at "32")."""
+    for 320 requests offered 0.88 of each rate named (14.1 requests a second at "16",
+    28.2 at "32")."""
     if rate <= 0 or burstiness <= 0:
         raise ValueError("request rate and burstiness must be > 0")
     if math.isinf(rate) or n == 0:
