@@ -5,7 +5,8 @@ times, whatever the rate): all at once for rate inf,
 else gaps drawn from a gamma distribution with shape `burstiness` and mean
 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1 steadier), as
 in vLLM, scaled so that the run offers the rate it names (`arrival_offsets`);
-each result reports the rate its sends kept (`offered_rate`). `max_concurrency`
+each result reports the rate its sends kept (`offered_rate`); a sweep's rate i
+draws its arrivals from seed + i (`arrival_seed`). `max_concurrency`
 caps requests in flight with a semaphore. A multi-turn request waits for its
 conversation's previous turn to finish; `max_active_conversations` caps the
 conversations under way (one starts when one has sent its last turn), so that
@@ -110,12 +111,18 @@ def _inputs(cfg: ServeConfig, requests: list[BenchRequest], url: str) -> list[Re
 
 
 async def run_load(
-    cfg: ServeConfig, requests: list[BenchRequest], rate: float, warmups: int = 0
+    cfg: ServeConfig,
+    requests: list[BenchRequest],
+    rate: float,
+    warmups: int = 0,
+    arrival_seed: int | None = None,
 ) -> tuple[list[RequestResult], float, float, list[str]]:
-    """(results in request order, duration s, start perf_counter, warmup errors)."""
+    """(results in request order, duration s, start perf_counter, warmup errors); the
+    schedule drawn from `arrival_seed` (default: the config's seed)."""
     url = cfg.base_url.rstrip("/") + cfg.endpoint
     inputs = _inputs(cfg, requests, url)
-    offsets = arrival_offsets(len(requests), rate, cfg.burstiness, cfg.seed)
+    seed = cfg.seed if arrival_seed is None else arrival_seed
+    offsets = arrival_offsets(len(requests), rate, cfg.burstiness, seed)
     if requests and all(r.send_at is not None for r in requests):
         offsets = np.array([r.send_at for r in requests])  # a trace's own times
     turn_done = {
@@ -238,8 +245,13 @@ def run_serve(
     sweep = len(cfg.request_rates) > 1
     results = []
     for i, (rate, requests) in enumerate(zip(cfg.request_rates, requests_by_rate)):
+        # each rate its own draw of arrivals (seed + i): one draw scaled to every rate put
+        # the same bursts (in stop 82's sweep, four or five sends within 50 ms, where each
+        # rate's slowest first tokens were) at the same places of every run, so that a
+        # sweep's rates were not apart samples of their load
+        warmups = cfg.num_warmups if i == 0 else 0
         runs, duration, t0, warmup_errors = asyncio.run(
-            run_load(cfg, requests, rate, warmups=cfg.num_warmups if i == 0 else 0)
+            run_load(cfg, requests, rate, warmups=warmups, arrival_seed=cfg.seed + i)
         )
         metrics = compute_metrics(runs, duration, cfg.percentiles, cfg.goodput, t0)
         config = asdict(cfg)
@@ -250,6 +262,7 @@ def run_serve(
             **config,
             "endpoint_type": "chat" if cfg.chat else "completions",
             "request_rate": rate,
+            "arrival_seed": cfg.seed + i,
             "dataset": dataset,
             "num_prompts": len(requests),
             **metrics,

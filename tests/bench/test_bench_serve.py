@@ -314,6 +314,20 @@ def test_a_sweep_writes_one_result_per_rate_and_the_sweep_plots(server, tok_dir,
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_each_rate_of_a_sweep_draws_its_own_arrivals(server, tok_dir, tmp_path):
+    server.configure(first_token_s=0.0, interval_s=0.001, num_tokens=2)
+    rc, _ = bench(server, tok_dir, tmp_path, "--request-rates", "40,80", "--num-prompts", "12",
+                  "--seed", "3", "--num-warmups", "0", "--no-plots")  # fmt: skip
+    assert rc == 0
+    runs = [json.loads((tmp_path / f"run-rate{x}.json").read_text()) for x in ("40", "80")]
+    assert [r["arrival_seed"] for r in runs] == [3, 4]
+    # as sent, each on its rate's own schedule, not the first rate's gaps at twice the pace
+    for one, rate, seed in zip(runs, (40.0, 80.0), (3, 4)):
+        expected = arrival_offsets(12, rate, 1.0, seed=seed)
+        assert np.abs(np.asarray(one["start_times"]) - expected).max() < 0.02
+    assert not np.allclose(arrival_offsets(12, 40.0, seed=3) / 2, arrival_offsets(12, 80.0, seed=4))
+
+
 def test_each_rate_of_a_sweep_sends_its_own_prompts_unless_asked_to_repeat(
     server, tok_dir, tmp_path
 ):
