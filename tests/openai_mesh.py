@@ -34,7 +34,16 @@ def client(mesh) -> openai.OpenAI:
 
 @functools.cache
 def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # no retries (a failure shows), so the pool must let an idle connection go before the
+    # gateway does (--keep-alive-timeout 5 s): at the package's own 5 s, a request sent on
+    # a connection the gateway was closing at that moment met "Server disconnected without
+    # sending a response" (a CI run of stop 82), where a retry would have hidden it
+    limits = openai._base_client.DEFAULT_CONNECTION_LIMITS
+    pool = type(limits)(max_connections=limits.max_connections,
+                        max_keepalive_connections=limits.max_keepalive_connections,
+                        keepalive_expiry=2.0)  # fmt: skip
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                         http_client=openai.DefaultHttpxClient(limits=pool))  # fmt: skip
 
 
 def post(mesh, path: str, body: dict) -> httpx.Response:
