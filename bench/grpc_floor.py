@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,39 +45,57 @@ def _serve(ports) -> None:
         runner.run(main())
 
 
+async def busy_and_idle(call: Callable[[], Awaitable[float]], calls: int) -> dict:
+    """p50 and p99 of the milliseconds `call` returns, `calls` times back to back ("busy")
+    and `calls` times with IDLE_S between them ("idle"), after 50 calls to warm up."""
+    for _ in range(50):
+        await call()
+    out = {}
+    for name, pause in (("busy", 0.0), ("idle", IDLE_S)):
+        times = []
+        for _ in range(calls):
+            times.append(await call())
+            if pause:
+                await asyncio.sleep(pause)
+        times.sort()
+        out[f"{name}_p50_ms"] = statistics.median(times)
+        out[f"{name}_p99_ms"] = times[int(0.99 * (len(times) - 1))]
+    return out
+
+
+def against_server(serve: Callable, timed: Callable[[int], Awaitable[dict]]) -> dict:
+    """`timed(port)` on this process's loop (uvloop, as the services run) against
+    `serve(ports)` in a spawned process, which puts the port it serves on into `ports`;
+    the server is killed after."""
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=serve, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(timed(port))
+    finally:
+        server.kill()
+        server.join()
+
+
 async def _time_calls(port: int, calls: int) -> dict:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
-        for _ in range(50):
+
+        async def call() -> float:
+            start = time.perf_counter()
             await stub.Check(request)
-        out = {}
-        for name, pause in (("busy", 0.0), ("idle", IDLE_S)):
-            times = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                await stub.Check(request)
-                times.append((time.perf_counter() - start) * 1e3)
-                if pause:
-                    await asyncio.sleep(pause)
-            times.sort()
-            out[f"{name}_p50_ms"] = statistics.median(times)
-            out[f"{name}_p99_ms"] = times[int(0.99 * (len(times) - 1))]
-        return out
+            return (time.perf_counter() - start) * 1e3
+
+        return await busy_and_idle(call, calls)
 
 
 def measure(calls: int = 300) -> dict:
     """Unary round trips to another process in ms: p50 and p99, busy and idle."""
-    ctx = multiprocessing.get_context("spawn")
-    ports = ctx.Queue()
-    server = ctx.Process(target=_serve, args=(ports,), daemon=True)
-    server.start()
-    try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:  # as the services run
-            return runner.run(_time_calls(ports.get(timeout=60), calls))
-    finally:
-        server.kill()
-        server.join()
+    return against_server(_serve, lambda port: _time_calls(port, calls))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import socket
-import statistics
 
 from fastapi import Request  # at module level: the route's annotation is resolved here
 
-from bench.grpc_floor import IDLE_S, _loop_factory
+from bench.grpc_floor import against_server, busy_and_idle
 
 CHUNK = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}], ' \
         b'"usage": {"completion_tokens": 1}}\n\n'  # fmt: skip
@@ -65,20 +63,12 @@ async def _time_calls(port: int, calls: int) -> dict:
     from bench.mesh_overhead import MeshClient  # the mesh's own client (h11, keep-alive)
 
     client = MeshClient("127.0.0.1", port, "floor", output_len=1)
+
+    async def call() -> float:
+        return (await client.send("floor", [1, 2, 3]))["ttft"] * 1e3
+
     try:
-        for _ in range(50):
-            await client.send("warm", [1, 2, 3])
-        out = {}
-        for name, pause in (("busy", 0.0), ("idle", IDLE_S)):
-            times = []
-            for _ in range(calls):
-                times.append((await client.send("floor", [1, 2, 3]))["ttft"] * 1e3)
-                if pause:
-                    await asyncio.sleep(pause)
-            times.sort()
-            out[f"{name}_p50_ms"] = statistics.median(times)
-            out[f"{name}_p99_ms"] = times[int(0.99 * (len(times) - 1))]
-        return out
+        return await busy_and_idle(call, calls)
     finally:
         client.close()
 
@@ -86,17 +76,7 @@ async def _time_calls(port: int, calls: int) -> dict:
 def measure(calls: int = 300) -> dict:
     """A streamed request's first event from another process in ms: p50 and p99, busy
     and idle."""
-    ctx = multiprocessing.get_context("spawn")
-    ports = ctx.Queue()
-    server = ctx.Process(target=_serve, args=(ports,), daemon=True)
-    server.start()
-    try:
-        port = ports.get(timeout=60)
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:  # as the services run
-            return runner.run(_until_listening(port, calls))
-    finally:
-        server.kill()
-        server.join()
+    return against_server(_serve, lambda port: _until_listening(port, calls))
 
 
 def main(argv: list[str] | None = None) -> dict:
