@@ -172,6 +172,18 @@ def main(argv: list[str] | None = None) -> dict:
         return section.results
 
 
+def table_row(label: str, r: dict) -> str:
+    """One sweep row (ours or guidellm's) as a line of the table; "-" for a figure missing."""
+
+    def num(key: str, digits: int) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.{digits}f}"
+
+    cells = [label, num("offered_rate", 1), str(r["completed"]), str(r["failed"]),
+             num("request_throughput", 2), num("output_throughput", 0), num("median_ttft_ms", 1),
+             num("p99_ttft_ms", 1), num("median_tpot_ms", 2), num("p99_tpot_ms", 2)]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
 def print_table(results: dict) -> None:
     e, p = results.get("offline") or {}, results.get("peer") or {}
     if "output_tokens_per_s" in e:
@@ -183,13 +195,9 @@ def print_table(results: dict) -> None:
     print("| rate | sent/s | done | fail | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | "
           "TPOT p99 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    sent = lambda r: "-" if r.get("offered_rate") is None else f"{r['offered_rate']:.1f}"  # noqa: E731
     serve = results.get("serve") or {}
     for r in serve.get("sweep", []):
-        print(f"| {r['request_rate']} | {sent(r)} | {r['completed']} | {r['failed']} | "
-              f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
-              f"{r['median_ttft_ms']} | {r['p99_ttft_ms']} | {r['median_tpot_ms']} | "
-              f"{r['p99_tpot_ms']} |")  # fmt: skip
+        print(table_row(str(r["request_rate"]), r))
     if "max_rate_within_slo" in serve:
         print("max rate within TTFT p99 <= 200 ms and TPOT p99 <= 50 ms:",
               serve["max_rate_within_slo"])  # fmt: skip
@@ -197,10 +205,7 @@ def print_table(results: dict) -> None:
     if "error" in theirs:
         print("guidellm:", theirs["error"])
     for r in theirs.get("sweep", []):
-        print(f"| guidellm {r['request_rate']} | {sent(r)} | {r['completed']} | {r['failed']} | "
-              f"{r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
-              f"{r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | "
-              f"{r['p99_tpot_ms']:.2f} |")  # fmt: skip
+        print(table_row(f"guidellm {r['request_rate']}", r))
     for a in theirs.get("agreement", []):
         ratios = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
                            for k, v in a["ratio_theirs_to_ours"].items())  # fmt: skip
